@@ -1,0 +1,71 @@
+"""The `pipeplan` command line: a thin layer that parses flags, calls one library function, writes outputs.
+
+    pipeplan simulate [SCENARIO] [--schedule NAME | --schedule-csv FILE] [--out DIR]
+    pipeplan plan [SCENARIO] [--cap X] [--out DIR]
+    pipeplan bench sim|plan [--out DIR]
+    pipeplan lcp build|query|bench ...
+
+Every subcommand lives in `analysis/commands/<name>.py` and is registered once, in COMMANDS below.
+Bad input of any kind exits with code 2 and one line on stderr; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module with add_arguments(parser) and run(args) -> int, one-line help). Only the module of the
+# command being run is imported, so `pipeplan simulate` never pays for torch.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "simulate": ("analysis.commands.simulate", "simulate one training step: timeline, memory, bubbles, throughput"),
+    "plan": ("analysis.commands.plan", "plan per-microbatch freeze ratios (TimelyFreeze LP), verified by simulation"),
+    "bench": ("analysis.commands.bench", "benchmarks: simulator and planner speed, CSV + figures"),
+    "lcp": ("analysis.commands.lcp", "exact top-k longest-common-prefix index: build, query, bench"),
+}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line (not usage + message) and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser, with the flags of command `only` loaded; the others are listed but not imported."""
+    parser = OneLineParser(prog="pipeplan", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser, metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == only:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
+    return parser
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean bad input: reported as one line with exit code 2."""
+    from lcp.errors import LCPError
+    from sim.errors import PipeplanError
+
+    return (PipeplanError, LCPError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(only=chosen).parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except user_errors() as exc:
+        print(f"pipeplan {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"pipeplan {args.command}: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

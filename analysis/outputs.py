@@ -1,0 +1,29 @@
+"""Write the full set of outputs of one simulated step into a folder (used by simulate, plan, capacity)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from analysis.chrome_trace import chrome_trace
+from analysis.io import atomic_write_json, atomic_write_text
+from analysis.plots import gantt, memory_plot
+from analysis.trace import memory_frame, simulation_summary, timeline_frame
+from sim.engine import SimResult
+
+
+def write_simulation(result: SimResult, folder: Path, title: str, extra: dict[str, Any] | None = None) -> dict:
+    """summary.json, timeline.csv, memory.csv, schedule.csv, trace.json, gantt.png, memory.png."""
+    folder.mkdir(parents=True, exist_ok=True)
+    summary = simulation_summary(result) | (extra or {})
+    timeline = timeline_frame(result)
+    memory = memory_frame(result)
+    atomic_write_json(folder / "summary.json", summary)
+    atomic_write_text(folder / "timeline.csv", timeline.to_csv(index=False))
+    atomic_write_text(folder / "memory.csv", memory.to_csv(index=False))
+    atomic_write_text(folder / "schedule.csv", result.schedule.to_csv_text())
+    atomic_write_json(folder / "trace.json", chrome_trace(timeline, memory, result.transfers, title))
+    gantt(timeline, folder / "gantt.png", title)
+    cap = result.costs.hbm_bytes
+    memory_plot(memory, folder / "memory.png", cap if cap != float("inf") else None, title)
+    return summary

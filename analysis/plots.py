@@ -1,0 +1,59 @@
+"""Figures people would rather look at than read: per-rank Gantt charts and HBM timelines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+KIND_COLORS = {"F": "#4C78A8", "B": "#E45756", "I": "#F58518", "W": "#54A24B"}
+MAX_LABELLED_ACTIONS = 600
+
+
+def save(fig: plt.Figure, path: str | Path) -> None:
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def gantt(timeline: pd.DataFrame, path: str | Path, title: str = "", color_by: str = "kind") -> None:
+    """One row per rank, one bar per action; white gaps are bubbles; bars labelled with the microbatch."""
+    ranks = int(timeline["rank"].max()) + 1 if len(timeline) else 1
+    fig, ax = plt.subplots(figsize=(12, 0.45 * ranks + 1.4))
+    label = len(timeline) <= MAX_LABELLED_ACTIONS
+    span = float(timeline["end_s"].max()) if len(timeline) else 1.0
+    for (kind, rank), rows in timeline.groupby(["kind", "rank"]):
+        bars = list(zip(rows["start_s"], rows["end_s"] - rows["start_s"], strict=True))
+        ax.broken_barh(bars, (rank - 0.4, 0.8), facecolors=KIND_COLORS.get(str(kind), "grey"),
+                       edgecolor="white", linewidth=0.3)
+    if label:
+        wide = timeline[(timeline["end_s"] - timeline["start_s"]) > span / 120]
+        for row in wide.itertuples(index=False):
+            ax.text((row.start_s + row.end_s) / 2, row.rank, str(row.microbatch), ha="center",
+                    va="center", fontsize=6, color="white")
+    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (s)")
+    ax.set_xlim(0, span * 1.005)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for k, c in KIND_COLORS.items() if k in set(timeline["kind"])]
+    names = [k for k in KIND_COLORS if k in set(timeline["kind"])]
+    ax.legend(handles, names, loc="upper right", ncols=len(names), fontsize=8)
+    ax.set_title(title, fontsize=10)
+    save(fig, path)
+
+
+def memory_plot(memory: pd.DataFrame, path: str | Path, capacity_bytes: float | None = None, title: str = "") -> None:
+    """HBM in use per rank over the step, against the capacity line."""
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for rank, rows in memory.groupby("rank"):
+        ax.step(rows["time_s"], rows["hbm_bytes"] / 2**30, where="post", label=f"rank {rank}", linewidth=1)
+    if capacity_bytes is not None:
+        ax.axhline(capacity_bytes / 2**30, color="black", linestyle="--", linewidth=1, label="HBM capacity")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("HBM in use (GiB)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(title, fontsize=10)
+    save(fig, path)

@@ -1,0 +1,68 @@
+"""One trace schema for simulated and measured steps: timeline, memory and summary tables.
+
+timeline.csv: rank,stage,microbatch,kind,start_s,end_s - one row per action, whoever produced it.
+memory.csv:   rank,time_s,hbm_bytes                     - HBM in use after every change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from sim.engine import SimResult
+
+TIMELINE_COLUMNS = ["rank", "stage", "microbatch", "kind", "start_s", "end_s"]
+MEMORY_COLUMNS = ["rank", "time_s", "hbm_bytes"]
+
+
+def timeline_frame(result: SimResult) -> pd.DataFrame:
+    df = pd.DataFrame(
+        {
+            "rank": result.rank,
+            "stage": result.stage,
+            "microbatch": result.microbatch,
+            "kind": result.kind,
+            "start_s": result.start_s,
+            "end_s": result.end_s,
+        },
+        columns=TIMELINE_COLUMNS,
+    )
+    return df.sort_values(["rank", "start_s", "end_s"], kind="stable").reset_index(drop=True)
+
+
+def memory_frame(result: SimResult) -> pd.DataFrame:
+    return pd.DataFrame(result.memory, columns=MEMORY_COLUMNS).sort_values(["rank", "time_s"], kind="stable")
+
+
+def simulation_summary(result: SimResult) -> dict[str, Any]:
+    sched, costs = result.schedule, result.costs
+    out: dict[str, Any] = {
+        "schedule": sched.name,
+        "stages": sched.num_ranks,
+        "virtual_stages": sched.virtual_stages,
+        "microbatches": sched.num_microbatches,
+        "actions": sched.num_actions,
+        "makespan_s": result.makespan_s,
+        "bubble_ratio": result.bubble_ratio,
+        "peak_activation_bytes": [float(x) for x in result.peak_activation_bytes],
+        "peak_hbm_bytes": [float(x) for x in result.peak_hbm_bytes],
+        "static_bytes": [float(x) for x in result.static_bytes],
+        "hbm_capacity_bytes": costs.hbm_bytes if costs.hbm_bytes != float("inf") else None,
+        "oom": result.oom,
+        "sim_wall_s": result.sim_wall_s,
+    }
+    if result.oom:
+        worst = max(result.oom_events, key=lambda e: e.excess_bytes)
+        out["oom_detail"] = {
+            "rank": worst.rank,
+            "time_s": worst.time_s,
+            "action": worst.action,
+            "excess_bytes": worst.excess_bytes,
+            "ranks": sorted({e.rank for e in result.oom_events}),
+        }
+    if result.tokens_per_s is not None:
+        out["tokens_per_s"] = result.tokens_per_s
+    if result.mfu is not None:
+        out["mfu"] = result.mfu
+    return out

@@ -1,0 +1,73 @@
+"""Schedule generators, looked up by name. Adding a schedule is one module and one `@register` line.
+
+Each generator takes (ranks p, microbatches m, virtual_stages v) and returns a validated `Schedule` whose
+stages are the p*v model chunks. Loop placement (gpipe, 1f1b, interleaved-1f1b, zb-h1) puts stage s on rank
+s % p; V placement (zbv and the other V-shaped schedules) puts stage s on rank s for s < p and 2p-1-s after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sim.errors import ScheduleError
+from sim.ir import Schedule
+
+ScheduleBuilder = Callable[[int, int, int], Schedule]
+SizeCheck = Callable[[int, int, int], str | None]  # returns why (p, m, v) is not allowed, or None
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    name: str
+    build: ScheduleBuilder
+    check: SizeCheck
+    summary: str
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {}
+
+
+def register(name: str, check: SizeCheck, summary: str) -> Callable[[ScheduleBuilder], ScheduleBuilder]:
+    def deco(fn: ScheduleBuilder) -> ScheduleBuilder:
+        SCHEDULES[name] = ScheduleSpec(name, fn, check, summary)
+        return fn
+
+    return deco
+
+
+def loop_placement(p: int, v: int) -> tuple[int, ...]:
+    return tuple(s % p for s in range(p * v))
+
+
+def v_placement(p: int) -> tuple[int, ...]:
+    return tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+
+
+def exact_virtual_stages(v: int, want: int) -> str | None:
+    """The usual `check` for schedules that take exactly `want` model chunks per rank."""
+    return None if v == want else f"needs pipeline.virtual_stages = {want} (got {v})"
+
+
+def build_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """Generate schedule `name`; sizes it cannot take are a ScheduleError naming the field and the rule."""
+    _import_builtin()
+    if name not in SCHEDULES:
+        raise ScheduleError(f"pipeline.schedule: unknown schedule {name!r}; allowed: {', '.join(SCHEDULES)}")
+    spec = SCHEDULES[name]
+    if ranks < 1 or microbatches < 1 or virtual_stages < 1:
+        raise ScheduleError("pipeline: stages, microbatches and virtual_stages must all be >= 1")
+    why = spec.check(ranks, microbatches, virtual_stages)
+    if why:
+        raise ScheduleError(f"pipeline: schedule {name!r} {why}")
+    return spec.build(ranks, microbatches, virtual_stages).validate()
+
+
+def schedule_names() -> list[str]:
+    _import_builtin()
+    return list(SCHEDULES)
+
+
+def _import_builtin() -> None:
+    # Importing the modules runs their @register lines.
+    from sim.schedules import builtin  # noqa: F401

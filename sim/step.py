@@ -1,0 +1,33 @@
+"""Scenario -> (schedule, cost table) -> simulated step: the library call behind `pipeplan simulate`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sim.config import Scenario
+from sim.costs import CostTable, build_cost_table
+from sim.engine import SimResult, simulate
+from sim.errors import ScheduleError
+from sim.ir import Schedule
+from sim.schedules import build_schedule
+
+
+def resolve_schedule(sc: Scenario, schedule_csv: str | Path | None = None) -> Schedule:
+    """The scenario's generated schedule, or the action order read from a torch-format CSV."""
+    p = sc.pipeline
+    if schedule_csv is None:
+        return build_schedule(p.schedule, p.stages, p.microbatches, p.virtual_stages)
+    sched = Schedule.read_csv(schedule_csv, num_microbatches=p.microbatches)
+    if sched.num_ranks != p.stages:
+        raise ScheduleError(f"--schedule-csv: has {sched.num_ranks} rank rows, pipeline.stages is {p.stages}")
+    if sched.num_stages != sc.num_chunks:
+        raise ScheduleError(
+            f"--schedule-csv: has {sched.num_stages} stages, the scenario has stages * virtual_stages = "
+            f"{sc.num_chunks} chunks"
+        )
+    return sched
+
+
+def simulate_scenario(sc: Scenario, schedule_csv: str | Path | None = None) -> SimResult:
+    costs: CostTable = build_cost_table(sc)
+    return simulate(resolve_schedule(sc, schedule_csv), costs)
