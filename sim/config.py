@@ -235,7 +235,9 @@ def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
 
 def describe_validation_error(exc: ValidationError) -> str:
     """One line for the first error: the dotted field, what is wrong and what is allowed."""
-    err = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    # a misspelt key explains the "missing" error that comes with it, so report unknown keys first
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "tuple[", "list[", "float"))]
     field = ".".join(loc) or "scenario"
     kind = err["type"]
@@ -251,7 +253,7 @@ def describe_validation_error(exc: ValidationError) -> str:
         head = msg.split(":", 1)[0]
         if "." in head or head in {"scenario"}:
             return msg
-        return f"{'.'.join(loc + [head]) if loc else head}:{msg.split(':', 1)[1]}" if ":" in msg else msg
+        return f"{'.'.join([*loc, head]) if loc else head}:{msg.split(':', 1)[1]}" if ":" in msg else msg
     given = err.get("input")
     shown = "" if isinstance(given, dict) else f" (got {given!r})"
     return f"{field}: {msg.lower()}{shown}"
@@ -264,7 +266,8 @@ def _allowed_keys(loc: list[str]) -> list[str]:
         if field is None:
             break
         ann = field.annotation
-        inner = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        options = getattr(ann, "__args__", (ann,))
+        inner = next((a for a in options if isinstance(a, type) and issubclass(a, BaseModel)), None)
         if inner is None:
             break
         model = inner

@@ -7,6 +7,7 @@ SimPy engine's makespan equals this DAG's longest path; the freeze LP is written
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 
 import networkx as nx
@@ -31,7 +32,7 @@ def build_dag(schedule: Schedule, costs: CostTable, durations: Mapping[Action, f
         return costs.p2p_s if s2r[u.stage] != s2r[v.stage] else 0.0
 
     for actions in schedule.ranks:
-        for u, v in zip(actions, actions[1:], strict=False):
+        for u, v in itertools.pairwise(actions):
             g.add_edge(u, v, delay=0.0)
     for a in list(g.nodes):
         if a.kind is Kind.F and a.stage > 0:

@@ -104,6 +104,10 @@ def simulate(
 
 
 class _StepSimulation:
+    """Event-efficient core: actions are integer indices; a rank yields one timeout per action (waiting for
+    inputs whose arrival time is already known is folded into it) and an event only for a producer that
+    has not finished yet."""
+
     def __init__(self, schedule: Schedule, costs: CostTable, overrides: Mapping[Action, float]):
         if costs.num_chunks != schedule.num_stages:
             raise ScheduleError(
@@ -111,134 +115,131 @@ class _StepSimulation:
             )
         self.sched, self.costs = schedule, costs
         self.env = simpy.Environment()
-        self.s2r = schedule.stage_to_rank
+        s2r = schedule.stage_to_rank
         n_ranks = schedule.num_ranks
-        self.done = {a: self.env.event() for r in schedule.ranks for a in r}
-        self.backward_of = {(a.stage, a.microbatch): a for a in self.done if a.kind in (Kind.B, Kind.I)}
-        # the one event each cross-stage consumer waits on: the producer's done event on the same rank,
-        # else an arrival event fired when the transfer over the link completes
-        self.arrival: dict[Action, simpy.Event] = {}
-        for a in self.done:
-            consumer = self._consumer(a)
-            if consumer is not None:
-                same_rank = self.s2r[consumer.stage] == self.s2r[a.stage]
-                self.arrival[a] = self.done[a] if same_rank else self.env.event()
+        self.actions: list[Action] = [a for r in schedule.ranks for a in r]
+        index = {(a.stage, a.kind, a.microbatch): i for i, a in enumerate(self.actions)}
+        backward = {
+            (a.stage, a.microbatch): i for i, a in enumerate(self.actions) if a.kind in (Kind.B, Kind.I)
+        }
+        n = len(self.actions)
+        self.duration = [overrides.get(a, costs.duration(a)) for a in self.actions]
+        # deps[i]: (producer j, True if j's output crosses stages and so arrives at arrive[j])
+        self.deps: list[tuple[tuple[int, bool], ...]] = []
+        self.consumer_rank: list[int] = [-1] * n  # rank of the cross-stage consumer, -1 if none
+        for a in self.actions:
+            if a.kind is Kind.F:
+                j = index.get((a.stage - 1, Kind.F, a.microbatch)) if a.stage > 0 else None
+                deps = ((j, True),) if j is not None else ()
+            elif a.kind is Kind.W:
+                deps = ((index[(a.stage, Kind.I, a.microbatch)], False),)
+            else:
+                up = backward.get((a.stage + 1, a.microbatch))
+                own = (index[(a.stage, Kind.F, a.microbatch)], False)
+                deps = (own, (up, True)) if up is not None else (own,)
+            for j, via in deps:
+                if via:
+                    self.consumer_rank[j] = s2r[a.stage]
+            self.deps.append(deps)
+        self.rank_of = [s2r[a.stage] for a in self.actions]
+        offsets = np.cumsum([0] + [len(r) for r in schedule.ranks])
+        self.rank_slices = [range(offsets[r], offsets[r + 1]) for r in range(n_ranks)]
+        self.end: list[float | None] = [None] * n
+        self.arrive: list[float | None] = [None] * n
+        self.start: list[float] = [0.0] * n
+        self.waiters: dict[int, simpy.Event] = {}
         self.link_free: dict[tuple[int, int], float] = {}
-        self.plan = [
-            [(a, overrides.get(a, costs.duration(a)), self._inputs(a)) for a in actions]
-            for actions in schedule.ranks
-        ]
-        self.static = costs.static_bytes_per_rank(self.s2r)
-        self.act_bytes = costs.activation_bytes
+        self.static = costs.static_bytes_per_rank(s2r)
+        self.act_bytes = [float(costs.activation_bytes[a.stage]) for a in self.actions]
         self.live = np.zeros(n_ranks)
         self.peak_act = np.zeros(n_ranks)
         self.busy = np.zeros(n_ranks)
         self.progress = [0] * n_ranks
-        self.memory: list[tuple[int, float, float]] = [(r, 0.0, float(self.static[r])) for r in range(n_ranks)]
+        self.memory = [(r, 0.0, float(self.static[r])) for r in range(n_ranks)]  # (rank, time_s, hbm_bytes)
         self.transfers: list[tuple[int, int, str, float, float]] = []
         self.oom: list[OOMEvent] = []
-        self.rec_rank: list[int] = []
-        self.rec_action: list[Action] = []
-        self.rec_start: list[float] = []
-        self.rec_end: list[float] = []
+        self.finished: list[int] = []
 
-    def _consumer(self, a: Action) -> Action | None:
-        """The action on the next stage (F) or previous stage (B/I) that needs `a`'s output."""
-        if a.kind is Kind.F and a.stage + 1 < self.sched.num_stages:
-            return Action(a.stage + 1, Kind.F, a.microbatch)
-        if a.kind in (Kind.B, Kind.I) and a.stage > 0:
-            return self.backward_of.get((a.stage - 1, a.microbatch))
-        return None
-
-    def _inputs(self, a: Action) -> list[simpy.Event]:
-        if a.kind is Kind.F:
-            return [self.arrival[Action(a.stage - 1, Kind.F, a.microbatch)]] if a.stage > 0 else []
-        if a.kind is Kind.W:
-            return [self.done[Action(a.stage, Kind.I, a.microbatch)]]
-        deps = [self.done[Action(a.stage, Kind.F, a.microbatch)]]
-        upstream = self.backward_of.get((a.stage + 1, a.microbatch))
-        if upstream is not None:
-            deps.append(self.arrival[upstream])
-        return deps
-
-    def _send(self, a: Action, src: int) -> None:
-        """Start the transfer of `a`'s output to its consumer's rank, FIFO behind earlier transfers."""
-        consumer = self._consumer(a)
-        if consumer is None:
-            return
-        dst = self.s2r[consumer.stage]
-        if dst == src:
-            return
-        now = self.env.now
-        link = (src, dst)
-        start = max(now, self.link_free.get(link, 0.0))
-        end = start + self.costs.p2p_s
-        self.link_free[link] = end
-        self.transfers.append((src, dst, str(a), start, end))
-        arrival = self.arrival[a]
-        if end == now:
-            arrival.succeed()
-        else:
-            self.env.timeout(end - now).callbacks.append(lambda _ev, ev=arrival: ev.succeed())
-
-    def _allocate(self, rank: int, delta: float, a: Action) -> None:
+    def _allocate(self, rank: int, delta: float, at: float, i: int) -> None:
         self.live[rank] += delta
         hbm = self.static[rank] + self.live[rank]
-        now = self.env.now
-        self.memory.append((rank, now, float(hbm)))
+        self.memory.append((rank, at, float(hbm)))
         if delta > 0:
             self.peak_act[rank] = max(self.peak_act[rank], self.live[rank])
             if hbm > self.costs.hbm_bytes:
-                self.oom.append(OOMEvent(rank, now, str(a), float(hbm), self.costs.hbm_bytes))
+                self.oom.append(OOMEvent(rank, at, str(self.actions[i]), float(hbm), self.costs.hbm_bytes))
+
+    def _finish(self, i: int, rank: int) -> None:
+        """Record i's end, start its transfer over the FIFO link, wake whoever waits for it."""
+        now = self.env.now
+        self.end[i] = now
+        dst = self.consumer_rank[i]
+        if dst == -1 or dst == rank:
+            self.arrive[i] = now
+        else:
+            link = (rank, dst)
+            begin = max(now, self.link_free.get(link, 0.0))
+            arrive = begin + self.costs.p2p_s
+            self.link_free[link] = arrive
+            self.arrive[i] = arrive
+            self.transfers.append((rank, dst, str(self.actions[i]), begin, arrive))
+        waiter = self.waiters.pop(i, None)
+        if waiter is not None:
+            waiter.succeed()
 
     def _rank_process(self, rank: int):
-        env = self.env
-        for a, dur, inputs in self.plan[rank]:
-            pending = [e for e in inputs if not e.processed]
-            if len(pending) == 1:
-                yield pending[0]
-            elif pending:
-                yield env.all_of(pending)
-            start = env.now
-            if a.kind is Kind.F:
-                self._allocate(rank, self.act_bytes[a.stage], a)
-            if dur > 0:
-                yield env.timeout(dur)
-            if a.kind in (Kind.B, Kind.I):
-                self._allocate(rank, -self.act_bytes[a.stage], a)
+        env, deps, end, arrive, kinds = self.env, self.deps, self.end, self.arrive, self.actions
+        for i in self.rank_slices[rank]:
+            ready = env.now
+            for j, via in deps[i]:
+                if end[j] is None:
+                    waiter = self.waiters.get(j)
+                    if waiter is None:
+                        waiter = self.waiters[j] = env.event()
+                    yield waiter
+                t = arrive[j] if via else end[j]
+                if t > ready:
+                    ready = t
+            dur = self.duration[i]
+            kind = kinds[i].kind
+            if kind is Kind.F:
+                self._allocate(rank, self.act_bytes[i], ready, i)
+            self.start[i] = ready
+            wait = ready - env.now + dur
+            if wait > 0:
+                yield env.timeout(wait)
+            if kind is Kind.B or kind is Kind.I:
+                self._allocate(rank, -self.act_bytes[i], env.now, i)
             self.busy[rank] += dur
-            self.rec_rank.append(rank)
-            self.rec_action.append(a)
-            self.rec_start.append(start)
-            self.rec_end.append(env.now)
             self.progress[rank] += 1
-            self.done[a].succeed()
-            self._send(a, rank)
+            self.finished.append(i)
+            self._finish(i, rank)
 
     def run(self) -> SimResult:
         for r in range(self.sched.num_ranks):
             self.env.process(self._rank_process(r))
         self.env.run()
         self._check_finished()
-        acts = self.rec_action
-        static = self.static
-        peak_hbm = static.copy()
+        order = self.finished
+        acts = [self.actions[i] for i in order]
+        peak_hbm = self.static.copy()
         for r, _t, hbm in self.memory:
-            peak_hbm[r] = max(peak_hbm[r], hbm)
+            if hbm > peak_hbm[r]:
+                peak_hbm[r] = hbm
         return SimResult(
             schedule=self.sched,
             costs=self.costs,
-            makespan_s=max(self.rec_end, default=0.0),
-            rank=np.asarray(self.rec_rank, dtype=np.int64),
+            makespan_s=max((self.end[i] for i in order), default=0.0),
+            rank=np.asarray([self.rank_of[i] for i in order], dtype=np.int64),
             stage=np.asarray([a.stage for a in acts], dtype=np.int64),
             microbatch=np.asarray([a.microbatch for a in acts], dtype=np.int64),
             kind=[a.kind.value for a in acts],
-            start_s=np.asarray(self.rec_start),
-            end_s=np.asarray(self.rec_end),
+            start_s=np.asarray([self.start[i] for i in order]),
+            end_s=np.asarray([self.end[i] for i in order]),
             busy_s=self.busy,
             peak_activation_bytes=self.peak_act,
             peak_hbm_bytes=peak_hbm,
-            static_bytes=static,
+            static_bytes=self.static,
             memory=self.memory,
             transfers=self.transfers,
             oom_events=self.oom,
@@ -246,20 +247,10 @@ class _StepSimulation:
 
     def _check_finished(self) -> None:
         blocked = []
-        for r, actions in enumerate(self.sched.ranks):
-            i = self.progress[r]
-            if i < len(actions):
-                a = actions[i]
-                waits = [str(w) for w in self._waiting_on(a) if not self.done[w].processed]
-                blocked.append(f"rank {r} at {a} waits for {'+'.join(waits) or 'a transfer'}")
+        for r, slots in enumerate(self.rank_slices):
+            if self.progress[r] < len(slots):
+                i = slots[self.progress[r]]
+                waits = [str(self.actions[j]) for j, _ in self.deps[i] if self.end[j] is None]
+                blocked.append(f"rank {r} at {self.actions[i]} waits for {'+'.join(waits)}")
         if blocked:
             raise DeadlockError(f"schedule {self.sched.name!r} deadlocks: {'; '.join(blocked)}")
-
-    def _waiting_on(self, a: Action) -> list[Action]:
-        if a.kind is Kind.F:
-            return [Action(a.stage - 1, Kind.F, a.microbatch)] if a.stage > 0 else []
-        if a.kind is Kind.W:
-            return [Action(a.stage, Kind.I, a.microbatch)]
-        up = self.backward_of.get((a.stage + 1, a.microbatch))
-        return [Action(a.stage, Kind.F, a.microbatch)] + ([up] if up else [])
-

@@ -156,12 +156,11 @@ class Schedule:
                 f"schedule csv: stages {missing} have no actions; every stage 0..{n_stages - 1} needs some"
             )
         n_mb = max(a.microbatch for r in ranks for a in r) + 1
-        if num_microbatches is not None and n_mb != num_microbatches:
-            raise ScheduleError(
-                f"schedule csv: has {n_mb} microbatches, the scenario says {num_microbatches}"
-            )
         sched = cls(name, n_stages, n_mb, ranks, tuple(stage_rank[s] for s in range(n_stages)))
-        return sched.validate()
+        sched.validate()
+        if num_microbatches is not None and n_mb != num_microbatches:
+            raise ScheduleError(f"schedule csv: has {n_mb} microbatches, the scenario says {num_microbatches}")
+        return sched
 
     def write_csv(self, path: str | Path) -> None:
         from analysis.io import atomic_write_text

@@ -11,7 +11,6 @@ from sim.config import load_scenario
 from sim.step import simulate_scenario
 
 
-
 def add_scenario_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", nargs="?", default=None, help="scenario TOML (default: the built-in 8B scenario)")
 
@@ -33,5 +32,5 @@ def run(args: argparse.Namespace) -> int:
     with staged_output(args.out) as stage:
         summary = write_simulation(result, stage, title)
     print_simulation(summary, title)
-    print(f"wrote {args.out}/ (summary.json, timeline.csv, memory.csv, schedule.csv, trace.json, gantt.png, memory.png)")
+    print(f"wrote {args.out}/: summary.json timeline.csv memory.csv schedule.csv trace.json gantt.png memory.png")
     return 0

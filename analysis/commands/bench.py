@@ -1,0 +1,32 @@
+"""`pipeplan bench NAME`: speed benchmarks that write a tidy CSV and a figure; figures go into docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# name -> module exposing add_arguments(parser) and run(args, out_dir) -> str (a one-line summary)
+BENCHES: dict[str, tuple[str, str]] = {
+    "sim": ("analysis.bench.sim", "simulator speed vs torch's dry run, interleaved-1f1b up to p=64 m=512 v=2"),
+    "plan": ("analysis.bench.plan", "freeze-LP build+solve time vs TimelyFreeze's scipy formulation"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True, parser_class=type(parser), metavar="BENCH")
+    for name, (module_name, help_text) in BENCHES.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--out", default=f"out/bench-{name}", help=f"output folder (default: out/bench-{name})")
+        module = importlib.import_module(module_name)
+        module.add_arguments(p)
+        p.set_defaults(_bench=module.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from analysis.io import staged_output
+
+    with staged_output(args.out) as stage:
+        line = args._bench(args, stage)
+    print(line)
+    print(f"wrote {args.out}/")
+    return 0

@@ -1,0 +1,24 @@
+"""Shared fixtures: explicit-cost tables and schedules built without any scenario file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sim.costs import CostTable
+
+
+def make_costs(p: int, v: int, m: int, f=1.0, i=1.0, w=1.0, act=1.0, static=0.0, p2p=0.0, hbm=float("inf")):
+    """A CostTable with the same (or given per-chunk) costs on every chunk."""
+    n = p * v
+
+    def arr(x):
+        a = np.asarray(x, dtype=float)
+        return np.full(n, float(a)) if a.ndim == 0 else a
+
+    return CostTable(p, v, m, arr(f), arr(i), arr(w), arr(act), arr(static), p2p_s=p2p, hbm_bytes=hbm)
+
+
+@pytest.fixture
+def unit_costs():
+    return make_costs

@@ -1,0 +1,125 @@
+"""The `pipeplan` CLI: every subcommand's --help, simulate on shipped scenarios, and bad input -> exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from analysis.cli import COMMANDS, main
+from scenarios import scenario_names, scenario_path
+
+SIM_FILES = {"summary.json", "timeline.csv", "memory.csv", "schedule.csv", "trace.json", "gantt.png", "memory.png"}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_command_has_help(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    assert "usage: pipeplan " + command in capsys.readouterr().out
+
+
+def test_simulate_default_writes_everything(tmp_path):
+    out = tmp_path / "sim"
+    assert main(["simulate", "--out", str(out)]) == 0
+    assert {p.name for p in out.iterdir()} == SIM_FILES
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("makespan_s", "bubble_ratio", "peak_activation_bytes", "peak_hbm_bytes", "oom", "sim_wall_s",
+                "tokens_per_s", "mfu", "schedule", "stages", "microbatches"):
+        assert key in summary
+    timeline = pd.read_csv(out / "timeline.csv")
+    assert list(timeline.columns) == ["rank", "stage", "microbatch", "kind", "start_s", "end_s"]
+    assert timeline["end_s"].max() == pytest.approx(summary["makespan_s"])
+    trace = json.loads((out / "trace.json").read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X" and e.get("tid") == 0]
+    assert len(slices) == len(timeline)
+    assert any(e["ph"] == "C" and e["name"] == "HBM" for e in trace["traceEvents"])
+    assert list(pd.read_csv(out / "memory.csv").columns) == ["rank", "time_s", "hbm_bytes"]
+
+
+@pytest.mark.parametrize("name", scenario_names())
+def test_simulate_every_shipped_scenario(name, tmp_path):
+    assert main(["simulate", str(scenario_path(name)), "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["makespan_s"] > 0
+
+
+def test_schedule_csv_round_trip(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    scen = str(scenario_path("explicit-unit"))
+    assert main(["simulate", scen, "--schedule", "zb-h1", "--out", str(a)]) == 0
+    assert main(["simulate", scen, "--schedule-csv", str(a / "schedule.csv"), "--out", str(b)]) == 0
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
+    assert sa["makespan_s"] == sb["makespan_s"]
+    assert (a / "schedule.csv").read_text() == (b / "schedule.csv").read_text()
+
+
+def test_oom_is_reported_in_summary(tmp_path):
+    scen = str(scenario_path("llama2-70b-48l-pp8-tp8-a100"))
+    assert main(["simulate", scen, "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["oom"] is (max(summary["peak_hbm_bytes"]) > summary["hbm_capacity_bytes"])
+
+
+def _bad_csv(tmp_path, text: str) -> str:
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["simulate", "missing.toml"], "file not found"),
+        (["simulate", "--schedule", "nope"], "pipeline.schedule: unknown schedule 'nope'"),
+        (["simulate", "--schedule", "zbv"], "virtual_stages"),
+        (["simulate", "--schedule", "1f1b", "--schedule-csv", "x.csv"], "not allowed with argument"),
+        (["simulate", "--bogus"], "unrecognized arguments"),
+        (["nope"], "invalid choice"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(argv, expected, tmp_path, capsys):
+    out = tmp_path / "out"
+    try:
+        code = main([*argv, "--out", str(out)] if argv[0] == "simulate" and "--bogus" not in argv else argv)
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert expected in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists()
+    assert not list(tmp_path.glob(".out.staging-*"))
+
+
+@pytest.mark.parametrize(
+    "csv,expected",
+    [
+        ("0F0,0X1\n", "expected <stage><F|B|I|W><microbatch>"),
+        ("0F0,0B0\n2F0,2B0\n", "stages [1] have no actions"),
+        ("0F0,0F0,0B0\n1F0,1B0\n", "appears more than once"),
+        ("", "no rows"),
+        ("0F0,0B0\n1F0,1B0\n", "the scenario says 8"),
+    ],
+)
+def test_bad_schedule_csv(csv, expected, tmp_path, capsys):
+    out = tmp_path / "out"
+    scen = str(scenario_path("explicit-unit"))
+    assert main(["simulate", scen, "--schedule-csv", _bad_csv(tmp_path, csv), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1
+    assert not out.exists()
+
+
+def test_console_script_end_to_end(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[pipeline]\nstages = 2\nmicrobatches = 0\n")
+    proc = subprocess.run([sys.executable, "-m", "analysis.cli", "simulate", str(bad), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"pipeplan simulate: error: {bad}: pipeline.microbatches: input should be greater than 0 (got 0)"
+    )

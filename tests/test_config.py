@@ -1,0 +1,93 @@
+"""Scenario validation: every kind of bad input is one ScenarioError naming the field and what is allowed."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from scenarios import scenario_names, scenario_path
+from sim.config import load_scenario, parse_scenario
+from sim.errors import ScenarioError
+
+COSTS = "[costs]\nforward_s = 1.0\nbackward_input_s = 1.0\nbackward_weight_s = 1.0\nactivation_bytes = 1.0\n"
+MODEL = "[model]\nlayers = 8\nhidden = 64\nffn_hidden = 176\nheads = 4\nkv_heads = 2\nvocab = 100\nseq_len = 16\n"
+
+
+def pipeline(stages=4, microbatches=8, schedule="1f1b", v=1) -> str:
+    return f'[pipeline]\nstages = {stages}\nmicrobatches = {microbatches}\nschedule = "{schedule}"\nvirtual_stages = {v}\n'
+
+
+def parse(text: str):
+    return parse_scenario(tomllib.loads(text))
+
+
+def test_issue_explicit_shape_loads():
+    sc = parse(pipeline() + COSTS + "p2p_s = 0.0\n")
+    assert sc.costs.forward_s == 1.0 and sc.model is None
+
+
+@pytest.mark.parametrize("name", scenario_names())
+def test_shipped_scenarios_load(name):
+    sc = load_scenario(scenario_path(name))
+    assert sc.pipeline.stages >= 1
+
+
+def test_default_scenario_is_the_8b_one():
+    assert load_scenario().model.name == "llama3-8b"
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (pipeline(stages=0) + COSTS, r"pipeline\.stages: input should be greater than 0 \(got 0\)"),
+        (pipeline(schedule="foo") + COSTS, r"pipeline\.schedule: unknown schedule 'foo'; allowed: .*gpipe.*zbv"),
+        (pipeline() + COSTS.replace("forward_s = 1.0", 'forward_s = "x"'), r"costs\.forward_s"),
+        (pipeline() + COSTS + "forwad_s = 2\n", r"costs\.forwad_s: unknown key; allowed: forward_s, "),
+        (pipeline() + COSTS.replace("forward_s = 1.0\n", ""), r"costs\.forward_s: missing required key"),
+        (pipeline() + COSTS.replace("forward_s = 1.0", "forward_s = [1, 2, 3]"), r"costs\.forward_s: has 3 values"),
+        (pipeline() + COSTS.replace("forward_s = 1.0", "forward_s = -1.0"), r"costs\.forward_s"),
+        (pipeline(), r"give exactly one of \[costs\]"),
+        (pipeline() + COSTS + MODEL, r"give exactly one of \[costs\]"),
+        (pipeline(stages=3) + MODEL, r"model\.layers: 8 is not divisible by pipeline\.stages"),
+        (pipeline() + MODEL.replace("kv_heads = 2", "kv_heads = 3"), r"model\.kv_heads: 3 must divide heads"),
+        (pipeline() + MODEL + '[device]\npreset = "TPU"\n', r"device\.preset: unknown device 'TPU'; allowed: H100"),
+        (pipeline() + MODEL + "[freeze]\ncap = 1.5\n", r"freeze\.cap: input should be less than or equal to 1"),
+        (pipeline().replace("stages = 4", "stages = true") + COSTS, r"pipeline\.stages: input should be a valid integer"),
+        (pipeline().replace("stages = 4", 'stages = "4"') + COSTS, r"pipeline\.stages: input should be a valid integer"),
+        ("[pipelin]\nstages = 1\n", r"pipelin: unknown key; allowed: pipeline, costs, model"),
+        (pipeline() + MODEL + '[training]\ndtype = "int8"\n', r"training\.dtype: input should be 'bf16', 'fp16' or"),
+    ],
+)
+def test_bad_scenarios_name_the_field(text, expected):
+    with pytest.raises(ScenarioError, match=expected) as info:
+        parse(text)
+    assert "\n" not in str(info.value)
+
+
+def test_schedule_sizes_are_checked_when_the_schedule_is_built():
+    from sim.step import resolve_schedule
+
+    sc = parse(pipeline(schedule="zbv", v=1) + COSTS)
+    from sim.errors import ScheduleError
+
+    with pytest.raises(ScheduleError, match="virtual_stages"):
+        resolve_schedule(sc)
+
+
+def test_missing_and_non_toml_files(tmp_path):
+    with pytest.raises(ScenarioError, match="file not found"):
+        load_scenario(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[pipeline\nstages = 1")
+    with pytest.raises(ScenarioError, match="not valid TOML"):
+        load_scenario(bad)
+    binary = tmp_path / "bin.toml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ScenarioError, match="not valid TOML"):
+        load_scenario(binary)
+
+
+def test_overrides_apply_dotted_keys():
+    sc = load_scenario(scenario_path("explicit-unit"), {"pipeline.schedule": "gpipe", "costs.p2p_s": 0.5})
+    assert sc.pipeline.schedule == "gpipe" and sc.costs.p2p_s == 0.5

@@ -1,0 +1,136 @@
+"""The SimPy engine against closed forms, the DAG longest path and hand-computed timelines."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sim.dag import build_dag, longest_path_s
+from sim.engine import DeadlockError, simulate
+from sim.ir import Schedule
+from sim.schedules import SCHEDULES, build_schedule
+from tests.conftest import make_costs
+
+ALL = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zb-h1", 1), ("zbv", 2)]
+
+
+def timeline(result) -> list[tuple[str, float, float]]:
+    order = np.lexsort((result.start_s, result.rank))
+    return [
+        (f"{result.stage[k]}{result.kind[k]}{result.microbatch[k]}", float(result.start_s[k]), float(result.end_s[k]))
+        for k in order
+    ]
+
+
+def test_1f1b_two_ranks_timeline():
+    res = simulate(build_schedule("1f1b", 2, 2), make_costs(2, 1, 2, f=1, i=1, w=1))
+    assert timeline(res) == [
+        ("0F0", 0, 1), ("0F1", 1, 2), ("0B0", 4, 6), ("0B1", 7, 9),
+        ("1F0", 1, 2), ("1B0", 2, 4), ("1F1", 4, 5), ("1B1", 5, 7),
+    ]  # fmt: skip
+    assert res.makespan_s == 9
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(1, 1), (2, 4), (4, 4), (4, 8), (8, 16), (3, 7)])
+def test_unit_cost_makespan_is_m_plus_p_minus_1(name, p, m):
+    res = simulate(build_schedule(name, p, m), make_costs(p, 1, m, f=1, i=1, w=1))
+    assert res.makespan_s == pytest.approx((m + p - 1) * (1 + 2))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 3), (8, 16)])
+def test_activation_peaks_1f1b_and_gpipe(p, m):
+    one = simulate(build_schedule("1f1b", p, m), make_costs(p, 1, m))
+    assert list(one.peak_activation_bytes) == [min(p - i, m) for i in range(p)]
+    gp = simulate(build_schedule("gpipe", p, m), make_costs(p, 1, m))
+    assert list(gp.peak_activation_bytes) == [m] * p
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 16, 4), (8, 16, 2)])
+def test_interleaved_bubble_formula(p, m, v):
+    """Narayanan et al. 2021: the bubble shrinks to (p-1)/v of one microbatch's per-rank F+B."""
+    f, b = 1.0, 2.0
+    res = simulate(build_schedule("interleaved-1f1b", p, m, v), make_costs(p, v, m, f=f, i=1, w=1))
+    assert res.makespan_s == pytest.approx(m * v * (f + b) + (p - 1) * (f + b))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 12), (8, 16)])
+@pytest.mark.parametrize("f,i,w", [(1, 1, 1), (1.0, 1.5, 0.5), (2, 1, 1)])
+def test_zb_h1_bubble_formula(p, m, f, i, w):
+    """Qi et al. 2023: ZB-H1's bubble is (p-1)(T_F + T_B - T_W), 1F1B's is (p-1)(T_F + T_B + T_W)."""
+    res = simulate(build_schedule("zb-h1", p, m), make_costs(p, 1, m, f=f, i=i, w=w))
+    assert res.makespan_s == pytest.approx(m * (f + i + w) + (p - 1) * (f + i - w))
+    base = simulate(build_schedule("1f1b", p, m), make_costs(p, 1, m, f=f, i=i, w=w))
+    assert base.makespan_s == pytest.approx(m * (f + i + w) + (p - 1) * (f + i + w))
+
+
+@pytest.mark.parametrize("name,v", ALL)
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 12)])
+def test_makespan_equals_dag_longest_path(name, v, p, m):
+    """With zero transfer time the engine is the DAG's longest path, whatever the costs."""
+    rng = np.random.default_rng(p * 100 + m)
+    n = p * v
+    costs = make_costs(p, v, m, f=rng.uniform(0.5, 2, n), i=rng.uniform(0.5, 2, n), w=rng.uniform(0, 1, n))
+    sched = build_schedule(name, p, m, v)
+    res = simulate(sched, costs)
+    assert res.makespan_s == pytest.approx(longest_path_s(build_dag(sched, costs)), rel=1e-12)
+
+
+def test_every_registered_schedule_is_covered():
+    assert {n for n, _ in ALL} >= {n for n in SCHEDULES if n in {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"}}
+
+
+def test_links_are_fifo_and_transfers_overlap_compute():
+    # rank 0 finishes both forwards quickly; the second transfer queues behind the first on the link
+    res = simulate(build_schedule("gpipe", 2, 2), make_costs(2, 1, 2, f=0.1, i=0.1, w=0.1, p2p=1.0))
+    starts = {name: (s, e) for name, s, e in timeline(res)}
+    assert starts["0F1"] == pytest.approx((0.1, 0.2))  # compute goes on while 0F0's output is on the wire
+    assert starts["1F0"] == pytest.approx((1.1, 1.2))
+    assert starts["1F1"] == pytest.approx((2.1, 2.2))  # waits for the link, not for rank 0
+    assert [(s, d, a) for s, d, a, *_ in res.transfers][:2] == [(0, 1, "0F0"), (0, 1, "0F1")]
+
+
+def test_oom_is_reported_not_raised():
+    costs = make_costs(4, 1, 8, act=10.0, static=5.0, hbm=40.0)
+    res = simulate(build_schedule("1f1b", 4, 8), costs)
+    assert res.oom
+    assert {e.rank for e in res.oom_events} == {0}  # 5 + 4*10 > 40 only on rank 0 (3*10 + 5 = 35 on rank 1)
+    first = res.oom_events[0]
+    assert first.excess_bytes == pytest.approx(5.0)
+    assert first.action == "0F3"
+    assert list(res.peak_hbm_bytes) == [45.0, 35.0, 25.0, 15.0]
+
+
+def test_memory_timeline_returns_to_static():
+    res = simulate(build_schedule("1f1b", 2, 3), make_costs(2, 1, 3, act=2.0, static=7.0))
+    by_rank: dict[int, list[float]] = {}
+    for r, _t, hbm in res.memory:
+        by_rank.setdefault(r, []).append(hbm)
+    for r in (0, 1):
+        assert by_rank[r][0] == 7.0 and by_rank[r][-1] == 7.0
+        assert max(by_rank[r]) == 7.0 + 2.0 * (2 - r)
+
+
+def test_deadlock_names_blocked_actions():
+    sched = Schedule.from_csv_text("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n")
+    with pytest.raises(DeadlockError, match=r"rank 0 at 0B0 waits for 1B0.*rank 1 at 1F1 waits for 0F1"):
+        simulate(sched, make_costs(2, 1, 2))
+    with pytest.raises(DeadlockError, match="cycle"):
+        longest_path_s(build_dag(sched, make_costs(2, 1, 2)))
+
+
+def test_bubble_ratio_and_duration_overrides():
+    sched = build_schedule("1f1b", 2, 2)
+    res = simulate(sched, make_costs(2, 1, 2))
+    assert res.bubble_ratio == pytest.approx(1 - (2 * 6) / (2 * 9))
+    from sim.ir import Action, Kind
+
+    faster = simulate(sched, make_costs(2, 1, 2), durations={Action(0, Kind.B, 1): 1.0})
+    assert faster.makespan_s == pytest.approx(8.0)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_zbv_only_bubble_is_the_first_forward_reaching_the_last_rank(p, m):
+    """ZB-V (Qi et al. 2024) with T_F = T_I = T_W and m >= 2p: the idle time is the (p-1) T_F fill."""
+    res = simulate(build_schedule("zbv", p, m, 2), make_costs(p, 2, m))
+    assert res.makespan_s == pytest.approx(m * 2 * 3 + (p - 1) * 1)
