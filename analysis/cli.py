@@ -20,8 +20,11 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("analysis.commands.simulate", "simulate one training step: timeline, memory, bubbles, throughput"),
     "plan": ("analysis.commands.plan", "plan per-microbatch freeze ratios (TimelyFreeze LP), verified by simulation"),
+    "capacity": ("analysis.commands.capacity", "per memory policy, the deepest model that fits HBM and its speed"),
     "bench": ("analysis.commands.bench", "benchmarks: simulator and planner speed, CSV + figures"),
     "lcp": ("analysis.commands.lcp", "exact top-k longest-common-prefix index: build, query, bench"),
+    "run": ("analysis.commands.run", "execute a verified plan with torch.distributed and measure it"),
+    "profile": ("analysis.commands.profile", "measure per-chunk F/I/W times here; write an explicit-costs scenario"),
 }
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-console = Console(stderr=False)
+console = Console(width=None if sys.stdout.isatty() else 120)  # logs and pipes get full tables
 
 
 def gib(x: float) -> str:

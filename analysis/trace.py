@@ -1,7 +1,8 @@
 """One trace schema for simulated and measured steps: timeline, memory and summary tables.
 
 timeline.csv: rank,stage,microbatch,kind,start_s,end_s - one row per action, whoever produced it.
-memory.csv:   rank,time_s,hbm_bytes                     - HBM in use after every change.
+memory.csv:   rank,time_s,hbm_bytes,...                 - HBM in use after every change, split into static
+              (weights, gradients, optimizer) and activations, plus what lives in DRAM and on NVMe.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pandas as pd
 from sim.engine import SimResult
 
 TIMELINE_COLUMNS = ["rank", "stage", "microbatch", "kind", "start_s", "end_s"]
-MEMORY_COLUMNS = ["rank", "time_s", "hbm_bytes"]
+MEMORY_COLUMNS = ["rank", "time_s", "hbm_bytes", "static_hbm_bytes", "activation_hbm_bytes", "dram_bytes", "nvme_bytes"]
 
 
 def timeline_frame(result: SimResult) -> pd.DataFrame:
@@ -52,6 +53,11 @@ def simulation_summary(result: SimResult) -> dict[str, Any]:
         "oom": result.oom,
         "sim_wall_s": result.sim_wall_s,
     }
+    if result.stall_s is not None and result.stall_s.any():
+        out["offload_stall_s"] = [float(x) for x in result.stall_s]
+    if result.peak_dram_bytes is not None and (result.peak_dram_bytes.any() or result.peak_nvme_bytes.any()):
+        out["peak_dram_bytes"] = [float(x) for x in result.peak_dram_bytes]
+        out["peak_nvme_bytes"] = [float(x) for x in result.peak_nvme_bytes]
     if result.oom:
         worst = max(result.oom_events, key=lambda e: e.excess_bytes)
         out["oom_detail"] = {

@@ -56,6 +56,8 @@ class CostsConfig(_Section):
     """Time to move one activation or gradient between two ranks."""
     static_bytes: PerChunk = 0.0
     """Weights, gradients and optimizer state of each chunk (resident in HBM for the whole step)."""
+    checkpoint_bytes: PerChunk = 0.0
+    """What a chunk keeps per microbatch under full recomputation (its input); default 0."""
     hbm_gib: Pos | None = None
     """HBM capacity per rank; omitted means unbounded (no OOM check)."""
 
@@ -132,17 +134,101 @@ class InterconnectConfig(_Section):
     """Per-direction bandwidth inside a tensor-parallel group (default: H100 NVLink, 900 GB/s bidirectional)."""
 
 
+Unit = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+CurvePoint = Annotated[list[Unit], Field(min_length=2, max_length=2)]
+FreezeCurve = Annotated[list[CurvePoint], Field(min_length=2)]
+
+
 class FreezeConfig(_Section):
+    """Freeze planning (`pipeplan plan`): what freezing may do, and what it saves (see docs/freeze-planner.md).
+
+    An action's freeze ratio r in [0, 1] is the share of its weight-gradient work skipped; its duration falls
+    from w_max (unfrozen) to w_min (fully frozen), linearly unless `curve` is given.
+    """
+
     cap: Annotated[float, Field(ge=0, le=1)] = 0.9
-    """Per stage, the mean freeze ratio over its freezable actions may not exceed this."""
+    """Per stage, the mean freeze ratio over its freezable actions (B, or W when backward is split) may not
+    exceed this; 0 plans no freezing."""
     max_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
     """Per action, the largest freeze ratio allowed."""
     backward_min_s: PerChunk | None = None
-    """Duration of a fully frozen B per chunk; default backward_input_s."""
+    """Duration of a fully frozen B per chunk; default backward_input_s. Must not exceed the unfrozen B."""
     weight_min_s: PerChunk | None = None
-    """Duration of a fully frozen W per chunk; default 0."""
-    curve: list[tuple[Annotated[float, Field(ge=0, le=1)], NonNeg]] | None = None
-    """Optional convex time(r): (ratio, share of w_max - w_min still spent) points from (0, 1) to (1, 0)."""
+    """Duration of a fully frozen W per chunk; default 0. Must not exceed backward_weight_s."""
+    curve: FreezeCurve | list[FreezeCurve] | None = None
+    """Optional convex time(r), e.g. [[0, 1], [0.5, 0.3], [1, 0]]: (ratio, share of w_max - w_min still
+    spent) points from [0, 1] to [1, 0], non-increasing and convex; or one such list per chunk."""
+
+    @model_validator(mode="after")
+    def _convex_curves(self) -> FreezeConfig:
+        if self.curve is None:
+            return self
+        per_chunk = isinstance(self.curve[0][0], list)
+        curves = self.curve if per_chunk else [self.curve]
+        for k, pts in enumerate(curves):
+            where = f"curve (chunk {k})" if per_chunk else "curve"
+            _check_freeze_curve(where, pts)  # type: ignore[arg-type]
+        return self
+
+    def curves(self, chunks: int) -> list[list[tuple[float, float]]] | None:
+        """One (ratio, share still spent) curve per chunk, or None for the linear model."""
+        if self.curve is None:
+            return None
+        if isinstance(self.curve[0][0], list):
+            return [[(float(x), float(y)) for x, y in pts] for pts in self.curve]  # type: ignore[misc]
+        return [[(float(x), float(y)) for x, y in self.curve]] * chunks  # type: ignore[misc]
+
+
+def _check_freeze_curve(where: str, pts: list[list[float]]) -> None:
+    """time(r) must run from (0, 1) to (1, 0), never rise, and be convex: the LP takes it as a max of lines."""
+    xs = [p[0] for p in pts]
+    ys = [p[1] for p in pts]
+    if (xs[0], ys[0]) != (0.0, 1.0) or (xs[-1], ys[-1]) != (1.0, 0.0):
+        raise ValueError(
+            f"{where}: must start at [0, 1] and end at [1, 0] (ratio, share of w_max - w_min still spent); "
+            f"got {pts[0]} ... {pts[-1]}"
+        )
+    if any(b <= a for a, b in zip(xs, xs[1:], strict=False)):
+        raise ValueError(f"{where}: ratios must increase strictly from point to point; got {xs}")
+    slopes = [(y1 - y0) / (x1 - x0) for x0, y0, x1, y1 in zip(xs, ys, xs[1:], ys[1:], strict=False)]
+    if any(s > 0 for s in slopes):
+        raise ValueError(f"{where}: time(r) rises between some points; freezing more must never take longer")
+    if any(s1 < s0 - 1e-12 for s0, s1 in zip(slopes, slopes[1:], strict=False)):
+        k = next(i for i, (s0, s1) in enumerate(zip(slopes, slopes[1:], strict=False)) if s1 < s0 - 1e-12)
+        raise ValueError(
+            f"{where}: time(r) is not convex at point {pts[k + 1]} (slopes must not decrease); "
+            f"the LP models time(r) as the maximum of its segments"
+        )
+
+
+Tier = Literal["hbm", "dram", "nvme"]
+RecomputePolicy = Literal["none", "full", "selective", "chronos"]
+
+
+class MemoryConfig(_Section):
+    """Where activations and model states live: recomputation and the HBM -> DRAM -> NVMe offload tiers."""
+
+    recompute: RecomputePolicy | list[RecomputePolicy] = "none"
+    """none | full (keep layer inputs, recompute each layer before its backward) | selective (recompute
+    attention: drop Q, K, V, O) | chronos (full recomputation of the longest-lived chunks only); or one per
+    chunk."""
+    offload_activations: Annotated[float, Field(ge=0, le=1)] = 0.0
+    """Share of each kept activation copied to host after its forward and prefetched before its backward."""
+    activations_tier: Literal["dram", "nvme"] = "dram"
+    optimizer: Tier = "hbm"
+    """Where Adam's m and v live; off HBM, the optimizer step runs on the host after each chunk's last backward."""
+    master_weights: Tier = "hbm"
+    """Where the fp32 master copy lives (it goes with the optimizer step)."""
+    gradients: Tier = "hbm"
+    """Where the fp32 gradient accumulation buffer lives (HBM keeps a bf16 buffer, copied out at the end)."""
+    hbm_margin_gib: NonNeg = 0.0
+    """HBM kept free for the allocator, workspaces and communication buffers."""
+    activation_model: Literal["llama", "megatron"] = "llama"
+    """Bytes per layer: pipeplan's LLaMA count, or Megatron-LM's theoretical sbh(18 + 4f/h)."""
+    prefetch_lookahead: PosInt = 2
+    """A backward's offloaded activations are fetched back when the rank starts the action this many before it."""
+    plan: bool = False
+    """Let the MILP memory planner choose recompute/offload per chunk (ignores recompute/offload_activations)."""
 
 
 class Scenario(_Section):
@@ -154,6 +240,7 @@ class Scenario(_Section):
     device: DeviceConfig = Field(default_factory=DeviceConfig)
     interconnect: InterconnectConfig = Field(default_factory=InterconnectConfig)
     freeze: FreezeConfig = Field(default_factory=FreezeConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
 
     @model_validator(mode="after")
     def _one_form(self) -> Scenario:
@@ -161,13 +248,15 @@ class Scenario(_Section):
             raise ValueError("scenario: give exactly one of [costs] (explicit) or [model] (model-derived)")
         chunks = self.pipeline.stages * self.pipeline.virtual_stages
         if self.costs is not None:
-            for key in ("forward_s", "backward_input_s", "backward_weight_s", "activation_bytes", "static_bytes"):
+            keys = ("forward_s", "backward_input_s", "backward_weight_s", "activation_bytes", "static_bytes")
+            for key in (*keys, "checkpoint_bytes"):
                 _check_per_chunk(f"costs.{key}", getattr(self.costs, key), chunks)
         if self.model is not None and self.model.layers % chunks:
             raise ValueError(
                 f"model.layers: {self.model.layers} is not divisible by pipeline.stages * "
                 f"pipeline.virtual_stages = {chunks}; choose layers, stages and virtual_stages to divide"
             )
+        _check_per_chunk("memory.recompute", self.memory.recompute, chunks)
         for key in ("backward_min_s", "weight_min_s"):
             _check_per_chunk(f"freeze.{key}", getattr(self.freeze, key), chunks)
         return self

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim.config import Scenario
+from sim.costs import ChunkDetail
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FLASH_BACKWARD_FACTOR = 2.5  # FlashAttention-2 (Dao 2023): backward does 5 matmuls to the forward's 2
@@ -41,6 +42,9 @@ class LayerCosts:
     tp_comm_bytes: float  # bytes each of the 2 all-reduces of F (and of I) moves
     activation_bytes: float
     params: float  # parameters held by one TP rank
+    checkpoint_bytes: float  # the layer input, all full recomputation keeps
+    attention_activation_bytes: float  # Q, K, V, O and LSE: what selective recomputation drops
+    attention_forward_flops: float  # QKV projection + attention core: what selective recomputation redoes
 
 
 def layer_costs(sc: Scenario) -> LayerCosts:
@@ -54,6 +58,10 @@ def layer_costs(sc: Scenario) -> LayerCosts:
     sharded = e * s * b * (2 * h + 2 * h_kv + 4 * f) + 4 * a * b * s  # Q,K,V,O, MLP intermediates, LSE
     replicated = e * s * b * 4 * h  # the two norm inputs and the QKV/MLP inputs: sharded only with SP
     act = (sharded + replicated) / t if (sc.parallel.sequence_parallel or t == 1) else sharded / t + replicated
+    if sc.memory.activation_model == "megatron":
+        act = s * b * h * (18 + 4 * f / h) / t  # Megatron-LM theoretical_memory_usage.py, per layer
+    attn_bytes = (e * s * b * (2 * h + 2 * h_kv) + 4 * a * b * s) / t
+    attn_flops = (2 * b * s * h * (h + 2 * h_kv) + attn) / t
     params = (h * (h + 2 * h_kv) + h * h + 3 * h * f) / t + 2 * h
     return LayerCosts(
         forward_flops=(linear + attn) / t,
@@ -62,17 +70,26 @@ def layer_costs(sc: Scenario) -> LayerCosts:
         tp_comm_bytes=e * b * s * h if t > 1 else 0.0,
         activation_bytes=act,
         params=params,
+        checkpoint_bytes=e * s * b * h / t,
+        attention_activation_bytes=attn_bytes,
+        attention_forward_flops=attn_flops,
     )
 
 
-def bytes_per_param(sc: Scenario) -> float:
+def state_bytes_per_param(sc: Scenario) -> dict[str, float]:
+    """Model-state bytes per parameter by part: weights, gradients, master_weights, optimizer."""
     tr, dp = sc.training, sc.parallel.dp
-    w = DTYPE_BYTES[tr.dtype]
-    master = 0 if tr.dtype == "fp32" else 4
-    grads = 4  # fp32 gradient accumulation (Megatron main_grad), also for fp32 training
-    states = {"adam": 8, "sgd": 4}[tr.optimizer]  # Adam m, v; SGD momentum, all fp32
-    sharded = master + states
-    return w + grads + (sharded / dp if tr.distributed_optimizer else sharded)
+    shard = dp if tr.distributed_optimizer else 1
+    return {
+        "weights": DTYPE_BYTES[tr.dtype],
+        "gradients": 4,  # fp32 gradient accumulation (Megatron main_grad), also for fp32 training
+        "master_weights": (0 if tr.dtype == "fp32" else 4) / shard,
+        "optimizer": {"adam": 8, "sgd": 4}[tr.optimizer] / shard,  # Adam m, v; SGD momentum; all fp32
+    }
+
+
+def bytes_per_param(sc: Scenario) -> float:
+    return sum(state_bytes_per_param(sc).values())
 
 
 @dataclass(frozen=True)
@@ -91,6 +108,7 @@ class ChunkCosts:
     tokens_per_microbatch: int
     peak_flops_per_gpu: float
     gpus_per_chunk: int
+    detail: ChunkDetail
 
 
 def model_chunk_costs(sc: Scenario) -> ChunkCosts:
@@ -126,6 +144,22 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     params[0] += v * h / t  # embedding (untied)
     params[-1] += v * h / t + h  # LM head and final norm
 
+    if sc.memory.activation_model == "megatron":
+        act[0] += (8 * s * b + s * b * h) / t  # Megatron: embedding input ids and dropout mask, first stage
+    detail = ChunkDetail(
+        layers=np.full(chunks, per_chunk_layers),
+        layer_activation_bytes=np.full(chunks, lc.activation_bytes),
+        layer_checkpoint_bytes=np.full(chunks, lc.checkpoint_bytes),
+        layer_forward_s=np.full(chunks, f_layer),
+        attention_activation_bytes=np.full(chunks, lc.attention_activation_bytes),
+        attention_forward_s=np.full(chunks, lc.attention_forward_flops / flops_rate),
+        state_bytes={k: params * v for k, v in state_bytes_per_param(sc).items()},
+        host_link_bps=dev["host_link_gbps"] * 1e9,
+        dram_bytes=dev["dram_gib"] * 2**30,
+        dram_bps=dev["dram_gbps"] * 1e9,
+        nvme_bytes=dev["nvme_gib"] * 2**30,
+        nvme_bps=dev["nvme_gbps"] * 1e9,
+    )
     flops_mb = t * (
         m.layers * (lc.forward_flops + lc.backward_input_flops + lc.backward_weight_flops) + 3 * head_flops
     )
@@ -143,4 +177,5 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
         tokens_per_microbatch=b * s,
         peak_flops_per_gpu=dev["peak_tflops"] * 1e12,
         gpus_per_chunk=t,
+        detail=detail,
     )

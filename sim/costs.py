@@ -16,6 +16,24 @@ from sim.ir import Action, Kind
 
 
 @dataclass(frozen=True)
+class ChunkDetail:
+    """What memory policies need beyond the step costs: per-chunk layer costs, model-state parts, host tiers."""
+
+    layers: np.ndarray  # layers in each chunk
+    layer_activation_bytes: np.ndarray  # per layer and microbatch, no recomputation
+    layer_checkpoint_bytes: np.ndarray  # per layer and microbatch under full recomputation (its input)
+    layer_forward_s: np.ndarray
+    attention_activation_bytes: np.ndarray  # per layer: what selective recomputation drops
+    attention_forward_s: np.ndarray  # per layer: what selective recomputation redoes
+    state_bytes: dict[str, np.ndarray]  # per chunk: weights, gradients, master_weights, optimizer
+    host_link_bps: float = 32e9  # per direction, one copy engine each way
+    dram_bytes: float = math.inf
+    dram_bps: float = 32e9
+    nvme_bytes: float = math.inf
+    nvme_bps: float = 3e9
+
+
+@dataclass(frozen=True)
 class CostTable:
     ranks: int
     virtual_stages: int
@@ -33,6 +51,7 @@ class CostTable:
     peak_flops_per_gpu: float | None = None
     gpus_per_rank: int = 1  # tensor-parallel degree
     params: np.ndarray | None = field(default=None)  # per chunk, per TP rank
+    detail: ChunkDetail | None = None
 
     @property
     def num_chunks(self) -> int:
@@ -79,6 +98,15 @@ def build_cost_table(sc: Scenario) -> CostTable:
             static_bytes=_per_chunk(c.static_bytes, chunks),
             p2p_s=float(c.p2p_s),
             hbm_bytes=c.hbm_gib * 2**30 if c.hbm_gib is not None else math.inf,
+            detail=ChunkDetail(
+                layers=np.ones(chunks),
+                layer_activation_bytes=_per_chunk(c.activation_bytes, chunks),
+                layer_checkpoint_bytes=_per_chunk(c.checkpoint_bytes, chunks),
+                layer_forward_s=_per_chunk(c.forward_s, chunks),
+                attention_activation_bytes=np.zeros(chunks),
+                attention_forward_s=np.zeros(chunks),
+                state_bytes={"weights": _per_chunk(c.static_bytes, chunks)},
+            ),
         )
     from sim.cost_model import model_chunk_costs
 
@@ -100,4 +128,5 @@ def build_cost_table(sc: Scenario) -> CostTable:
         peak_flops_per_gpu=mc.peak_flops_per_gpu,
         gpus_per_rank=mc.gpus_per_chunk,
         params=mc.params,
+        detail=mc.detail,
     )

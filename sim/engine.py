@@ -7,6 +7,15 @@ each), computed in closed form so a transfer costs one timeout event; transfers 
 rank is the static bytes plus activations, allocated when F starts and freed when B or I ends; exceeding the
 capacity is recorded (rank, time, by how much), not raised. A schedule whose ranks wait on each other forever
 raises DeadlockError naming the blocked actions.
+
+A MemoryPlan (sim/memory.py) changes what F keeps, adds recomputation time and working set to B/I, and may
+offload with stream semantics: each rank has one copy engine per direction (SimPy resources, FIFO).
+Every forward queues a device-to-host copy of its offloaded part (possibly empty) and the part leaves HBM
+when the copy ends; a forward may not start while more than one earlier copy is unfinished (bounded pinned
+buffers). Every backward queues a host-to-device prefetch when the rank starts the action
+`prefetch_lookahead` places before it; the prefetch waits for its copy out, allocates HBM when it starts,
+and the backward waits for it. Time a rank waits on copies is reported as stall. Model states off HBM add
+the optimizer step's copies after each chunk's last backward.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import simpy
 from sim.costs import CostTable
 from sim.errors import ScheduleError
 from sim.ir import Action, Kind, Schedule
+from sim.memory import MemoryPlan, keep_everything
 
 
 class DeadlockError(ScheduleError):
@@ -58,16 +68,25 @@ class SimResult:
     peak_activation_bytes: np.ndarray  # per rank
     peak_hbm_bytes: np.ndarray  # per rank
     static_bytes: np.ndarray  # per rank
-    memory: list[tuple[int, float, float]]  # (rank, time_s, hbm_bytes) at every change
+    memory: list[tuple]  # (rank, time_s, hbm_bytes, static_hbm, activation_hbm, dram, nvme) at every change
     transfers: list[tuple[int, int, str, float, float]]  # (src_rank, dst_rank, action, start_s, end_s)
     oom_events: list[OOMEvent] = field(default_factory=list)
     sim_wall_s: float = 0.0
+    stall_s: np.ndarray | None = None  # per rank: time backwards waited for late prefetches
+    peak_dram_bytes: np.ndarray | None = None
+    peak_nvme_bytes: np.ndarray | None = None
+    hbm_limit_bytes: float = float("inf")
 
     @property
     def bubble_ratio(self) -> float:
         """Idle share of all rank-time over the step."""
         total = self.makespan_s * self.schedule.num_ranks
         return float(1.0 - self.busy_s.sum() / total) if total > 0 else 0.0
+
+    @property
+    def oom_over_limit(self) -> bool:
+        """Peak HBM above capacity minus the plan's margin (capacity itself: `oom`)."""
+        return bool((self.peak_hbm_bytes > self.hbm_limit_bytes + 1e-6).any())
 
     @property
     def oom(self) -> bool:
@@ -95,10 +114,12 @@ def simulate(
     schedule: Schedule,
     costs: CostTable,
     durations: Mapping[Action, float] | None = None,
+    memory: MemoryPlan | None = None,
 ) -> SimResult:
-    """Run one training step of `schedule` under `costs`; `durations` overrides single actions' times."""
+    """Run one training step of `schedule` under `costs`; `durations` overrides single actions' times and
+    `memory` the activation/state policy (default: keep everything in HBM)."""
     t0 = time.perf_counter()
-    result = _StepSimulation(schedule, costs, durations or {}).run()
+    result = _StepSimulation(schedule, costs, durations or {}, memory or keep_everything(costs)).run()
     result.sim_wall_s = time.perf_counter() - t0
     return result
 
@@ -106,14 +127,14 @@ def simulate(
 class _StepSimulation:
     """Event-efficient core: actions are integer indices; a rank yields one timeout per action (waiting for
     inputs whose arrival time is already known is folded into it) and an event only for a producer that
-    has not finished yet."""
+    has not finished yet, or for a prefetch."""
 
-    def __init__(self, schedule: Schedule, costs: CostTable, overrides: Mapping[Action, float]):
+    def __init__(self, schedule: Schedule, costs: CostTable, overrides: Mapping[Action, float], mem: MemoryPlan):
         if costs.num_chunks != schedule.num_stages:
             raise ScheduleError(
                 f"schedule has {schedule.num_stages} stages but the costs describe {costs.num_chunks} chunks"
             )
-        self.sched, self.costs = schedule, costs
+        self.sched, self.costs, self.mem = schedule, costs, mem
         self.env = simpy.Environment()
         s2r = schedule.stage_to_rank
         n_ranks = schedule.num_ranks
@@ -123,10 +144,14 @@ class _StepSimulation:
             (a.stage, a.microbatch): i for i, a in enumerate(self.actions) if a.kind in (Kind.B, Kind.I)
         }
         n = len(self.actions)
-        self.duration = [overrides.get(a, costs.duration(a)) for a in self.actions]
+        self.duration = [
+            overrides.get(a, costs.duration(a)) + (float(mem.recompute_s[a.stage]) if a.kind in BACKWARDS else 0.0)
+            for a in self.actions
+        ]
         # deps[i]: (producer j, True if j's output crosses stages and so arrives at arrive[j])
         self.deps: list[tuple[tuple[int, bool], ...]] = []
         self.consumer_rank: list[int] = [-1] * n  # rank of the cross-stage consumer, -1 if none
+        self.forward_of: list[int] = [-1] * n  # for B/I: its own F
         for a in self.actions:
             if a.kind is Kind.F:
                 j = index.get((a.stage - 1, Kind.F, a.microbatch)) if a.stage > 0 else None
@@ -136,6 +161,7 @@ class _StepSimulation:
             else:
                 up = backward.get((a.stage + 1, a.microbatch))
                 own = (index[(a.stage, Kind.F, a.microbatch)], False)
+                self.forward_of[len(self.deps)] = own[0]
                 deps = (own, (up, True)) if up is not None else (own,)
             for j, via in deps:
                 if via:
@@ -149,26 +175,130 @@ class _StepSimulation:
         self.start: list[float] = [0.0] * n
         self.waiters: dict[int, simpy.Event] = {}
         self.link_free: dict[tuple[int, int], float] = {}
-        self.static = costs.static_bytes_per_rank(s2r)
-        self.act_bytes = [float(costs.activation_bytes[a.stage]) for a in self.actions]
+        # memory, per rank and tier
+        self.static = _per_rank(mem.static_hbm_bytes, s2r, n_ranks)
+        self.kept = [float(mem.kept_bytes[a.stage]) for a in self.actions]
+        self.transient = mem.transient_bytes
         self.live = np.zeros(n_ranks)
+        self.dram = _per_rank(mem.static_host_bytes.get("dram", np.zeros(0)), s2r, n_ranks)
+        self.nvme = _per_rank(mem.static_host_bytes.get("nvme", np.zeros(0)), s2r, n_ranks)
         self.peak_act = np.zeros(n_ranks)
+        self.peak_hbm = self.static.copy()
+        self.peak_dram, self.peak_nvme = self.dram.copy(), self.nvme.copy()
         self.busy = np.zeros(n_ranks)
+        self.stall = np.zeros(n_ranks)
         self.progress = [0] * n_ranks
-        self.memory = [(r, 0.0, float(self.static[r])) for r in range(n_ranks)]  # (rank, time_s, hbm_bytes)
+        self.memory: list[tuple] = []
+        for r in range(n_ranks):
+            self._record(r, 0.0)
         self.transfers: list[tuple[int, int, str, float, float]] = []
         self.oom: list[OOMEvent] = []
         self.finished: list[int] = []
+        # offload machinery (stream semantics), only when the plan moves anything
+        self.offloads = mem.offloads
+        self.d2h = [simpy.Resource(self.env) for _ in range(n_ranks)]
+        self.h2d = [simpy.Resource(self.env) for _ in range(n_ranks)]
+        self.copied = {i: self.env.event() for i, a in enumerate(self.actions) if a.kind is Kind.F} \
+            if self.offloads else {}  # F index -> its copy out finished
+        self.prefetched: dict[int, simpy.Event] = {}  # B/I index -> its activations are back in HBM
+        self.rank_forwards: list[list[int]] = [[] for _ in range(n_ranks)]  # F indices in the order they ran
+        self.copy_end = 0.0
+        self.last_backward = self._last_backward_per_chunk() if mem.has_step_copies else {}
+
+    # ---- memory ------------------------------------------------------------------------------------------
+    def _record(self, rank: int, at: float) -> None:
+        hbm = self.static[rank] + self.live[rank]
+        self.memory.append((rank, at, float(hbm), float(self.static[rank]), float(self.live[rank]),
+                            float(self.dram[rank]), float(self.nvme[rank])))
+        self.peak_hbm[rank] = max(self.peak_hbm[rank], hbm)
+        self.peak_dram[rank] = max(self.peak_dram[rank], self.dram[rank])
+        self.peak_nvme[rank] = max(self.peak_nvme[rank], self.nvme[rank])
 
     def _allocate(self, rank: int, delta: float, at: float, i: int) -> None:
         self.live[rank] += delta
-        hbm = self.static[rank] + self.live[rank]
-        self.memory.append((rank, at, float(hbm)))
+        self._record(rank, at)
         if delta > 0:
             self.peak_act[rank] = max(self.peak_act[rank], self.live[rank])
+            hbm = self.static[rank] + self.live[rank]
             if hbm > self.costs.hbm_bytes:
                 self.oom.append(OOMEvent(rank, at, str(self.actions[i]), float(hbm), self.costs.hbm_bytes))
 
+    def _move_host(self, rank: int, stage: int, delta: float) -> None:
+        if self.mem.offload_nvme[stage]:
+            self.nvme[rank] += delta
+        else:
+            self.dram[rank] += delta
+
+    def _copy_s(self, stage: int, nbytes: float) -> float:
+        return nbytes / (self.mem.nvme_bps if self.mem.offload_nvme[stage] else self.mem.host_link_bps)
+
+    def _offload(self, f: int, rank: int):
+        """After F: copy the offloadable part of its activations to host (FIFO), then release it from HBM."""
+        stage = self.actions[f].stage
+        nbytes = float(self.mem.offload_bytes[stage])
+        with self.d2h[rank].request() as req:
+            yield req
+            if nbytes > 0:
+                yield self.env.timeout(self._copy_s(stage, nbytes))
+        if nbytes > 0:
+            self._move_host(rank, stage, nbytes)
+            self._allocate(rank, -nbytes, self.env.now, f)
+        self.copied[f].succeed()
+
+    def _prefetch(self, b: int, rank: int):
+        """Before B/I: wait for the copy out, then bring the activations back (FIFO), HBM allocated first."""
+        f = self.forward_of[b]
+        stage = self.actions[f].stage
+        nbytes = float(self.mem.offload_bytes[stage])
+        yield self.copied[f]
+        with self.h2d[rank].request() as req:
+            yield req
+            if nbytes > 0:
+                self._allocate(rank, nbytes, self.env.now, f)
+                yield self.env.timeout(self._copy_s(stage, nbytes))
+        if nbytes > 0:
+            self._move_host(rank, stage, -nbytes)
+        self.prefetched[b].succeed()
+
+    def _issue_prefetches(self, rank: int, k: int) -> None:
+        """At the start of position k, queue the prefetch of the backward `lookahead` places later (at k = 0,
+        of every backward up to there)."""
+        slots = self.rank_slices[rank]
+        look = self.mem.prefetch_lookahead
+        for pos in range(k + look if k else 0, min(k + look, len(slots) - 1) + 1):
+            b = slots[pos]
+            if self.forward_of[b] >= 0 and b not in self.prefetched:
+                self.prefetched[b] = self.env.event()
+                self.env.process(self._prefetch(b, rank))
+
+    def _wait(self, event: simpy.Event, rank: int, ready: float):
+        """Wait for `event` from time `ready`; what it adds is stall."""
+        if ready > self.env.now:
+            yield self.env.timeout(ready - self.env.now)
+        if not event.processed:
+            yield event
+            self.stall[rank] += self.env.now - ready
+
+    # ---- the optimizer step's copies when model states live off HBM ---------------------------------------
+    def _last_backward_per_chunk(self) -> dict[int, int]:
+        last: dict[int, int] = {}
+        for i, a in enumerate(self.actions):
+            if a.kind in (Kind.B, Kind.W):
+                last[a.stage] = i  # ranks' lists are in order, so the final assignment is the last one
+        return {i: s for s, i in last.items()}
+
+    def _step_copies(self, stage: int, rank: int):
+        m = self.mem
+        with self.d2h[rank].request() as req:
+            yield req
+            yield self.env.timeout(float(m.step_d2h_bytes[stage]) / m.host_link_bps)
+        yield self.env.timeout(float(m.step_host_s[stage]))
+        with self.h2d[rank].request() as req:
+            yield req
+            yield self.env.timeout(float(m.step_h2d_bytes[stage]) / m.host_link_bps)
+        self.copy_end = max(self.copy_end, self.env.now)
+
+    # ---- the ranks -----------------------------------------------------------------------------------------
     def _finish(self, i: int, rank: int) -> None:
         """Record i's end, start its transfer over the FIFO link, wake whoever waits for it."""
         now = self.env.now
@@ -188,8 +318,9 @@ class _StepSimulation:
             waiter.succeed()
 
     def _rank_process(self, rank: int):
-        env, deps, end, arrive, kinds = self.env, self.deps, self.end, self.arrive, self.actions
-        for i in self.rank_slices[rank]:
+        env, deps, end, arrive, acts = self.env, self.deps, self.end, self.arrive, self.actions
+        offloads = self.offloads
+        for k, i in enumerate(self.rank_slices[rank]):
             ready = env.now
             for j, via in deps[i]:
                 if end[j] is None:
@@ -200,20 +331,41 @@ class _StepSimulation:
                 t = arrive[j] if via else end[j]
                 if t > ready:
                     ready = t
+            kind = acts[i].kind
+            backward = kind is Kind.B or kind is Kind.I
+            if offloads:
+                forwards = self.rank_forwards[rank]
+                gate = self.copied[forwards[-2]] if kind is Kind.F and len(forwards) >= 2 else None
+                if backward and i not in self.prefetched:
+                    self._issue_prefetches(rank, k - self.mem.prefetch_lookahead)
+                for event in (gate, self.prefetched.get(i) if backward else None):
+                    if event is not None:
+                        yield from self._wait(event, rank, ready)
+                        ready = max(ready, env.now)
+                if ready > env.now:
+                    yield env.timeout(ready - env.now)
+                self._issue_prefetches(rank, k)
             dur = self.duration[i]
-            kind = kinds[i].kind
             if kind is Kind.F:
-                self._allocate(rank, self.act_bytes[i], ready, i)
+                self._allocate(rank, self.kept[i], ready, i)
+            elif backward and self.transient[acts[i].stage] > 0:
+                self._allocate(rank, float(self.transient[acts[i].stage]), ready, i)
             self.start[i] = ready
             wait = ready - env.now + dur
             if wait > 0:
                 yield env.timeout(wait)
-            if kind is Kind.B or kind is Kind.I:
-                self._allocate(rank, -self.act_bytes[i], env.now, i)
+            if backward:
+                self._allocate(rank, -self.kept[self.forward_of[i]] - float(self.transient[acts[i].stage]),
+                               env.now, i)
             self.busy[rank] += dur
             self.progress[rank] += 1
             self.finished.append(i)
             self._finish(i, rank)
+            if offloads and kind is Kind.F:
+                self.rank_forwards[rank].append(i)
+                env.process(self._offload(i, rank))
+            if i in self.last_backward:
+                env.process(self._step_copies(self.last_backward[i], rank))
 
     def run(self) -> SimResult:
         for r in range(self.sched.num_ranks):
@@ -222,14 +374,10 @@ class _StepSimulation:
         self._check_finished()
         order = self.finished
         acts = [self.actions[i] for i in order]
-        peak_hbm = self.static.copy()
-        for r, _t, hbm in self.memory:
-            if hbm > peak_hbm[r]:
-                peak_hbm[r] = hbm
         return SimResult(
             schedule=self.sched,
             costs=self.costs,
-            makespan_s=max((self.end[i] for i in order), default=0.0),
+            makespan_s=max(max((self.end[i] for i in order), default=0.0), self.copy_end),
             rank=np.asarray([self.rank_of[i] for i in order], dtype=np.int64),
             stage=np.asarray([a.stage for a in acts], dtype=np.int64),
             microbatch=np.asarray([a.microbatch for a in acts], dtype=np.int64),
@@ -238,11 +386,15 @@ class _StepSimulation:
             end_s=np.asarray([self.end[i] for i in order]),
             busy_s=self.busy,
             peak_activation_bytes=self.peak_act,
-            peak_hbm_bytes=peak_hbm,
+            peak_hbm_bytes=self.peak_hbm,
             static_bytes=self.static,
             memory=self.memory,
             transfers=self.transfers,
             oom_events=self.oom,
+            stall_s=self.stall,
+            peak_dram_bytes=self.peak_dram,
+            peak_nvme_bytes=self.peak_nvme,
+            hbm_limit_bytes=self.mem.hbm_limit_bytes,
         )
 
     def _check_finished(self) -> None:
@@ -254,3 +406,13 @@ class _StepSimulation:
                 blocked.append(f"rank {r} at {self.actions[i]} waits for {'+'.join(waits)}")
         if blocked:
             raise DeadlockError(f"schedule {self.sched.name!r} deadlocks: {'; '.join(blocked)}")
+
+
+BACKWARDS = (Kind.B, Kind.I)
+
+
+def _per_rank(per_chunk: np.ndarray, stage_to_rank: tuple[int, ...], n_ranks: int) -> np.ndarray:
+    out = np.zeros(n_ranks)
+    if len(per_chunk):
+        np.add.at(out, np.asarray(stage_to_rank), per_chunk)
+    return out

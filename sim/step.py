@@ -9,6 +9,7 @@ from sim.costs import CostTable, build_cost_table
 from sim.engine import SimResult, simulate
 from sim.errors import ScheduleError
 from sim.ir import Schedule
+from sim.memory import build_memory_plan
 from sim.schedules import build_schedule
 
 
@@ -29,5 +30,7 @@ def resolve_schedule(sc: Scenario, schedule_csv: str | Path | None = None) -> Sc
 
 
 def simulate_scenario(sc: Scenario, schedule_csv: str | Path | None = None) -> SimResult:
+    """One step of the scenario's schedule under its costs and its [memory] policy."""
     costs: CostTable = build_cost_table(sc)
-    return simulate(resolve_schedule(sc, schedule_csv), costs)
+    schedule = resolve_schedule(sc, schedule_csv)
+    return simulate(schedule, costs, memory=build_memory_plan(sc, costs, schedule))

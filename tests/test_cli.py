@@ -38,7 +38,10 @@ def test_simulate_default_writes_everything(tmp_path):
     slices = [e for e in trace["traceEvents"] if e["ph"] == "X" and e.get("tid") == 0]
     assert len(slices) == len(timeline)
     assert any(e["ph"] == "C" and e["name"] == "HBM" for e in trace["traceEvents"])
-    assert list(pd.read_csv(out / "memory.csv").columns) == ["rank", "time_s", "hbm_bytes"]
+    mem = pd.read_csv(out / "memory.csv")
+    assert list(mem.columns) == ["rank", "time_s", "hbm_bytes", "static_hbm_bytes", "activation_hbm_bytes",
+                                 "dram_bytes", "nvme_bytes"]
+    assert (mem["hbm_bytes"] == mem["static_hbm_bytes"] + mem["activation_hbm_bytes"]).all()
 
 
 @pytest.mark.parametrize("name", scenario_names())

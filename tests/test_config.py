@@ -11,11 +11,15 @@ from sim.config import load_scenario, parse_scenario
 from sim.errors import ScenarioError
 
 COSTS = "[costs]\nforward_s = 1.0\nbackward_input_s = 1.0\nbackward_weight_s = 1.0\nactivation_bytes = 1.0\n"
+INT_ERR = r"pipeline\.stages: input should be a valid integer"
 MODEL = "[model]\nlayers = 8\nhidden = 64\nffn_hidden = 176\nheads = 4\nkv_heads = 2\nvocab = 100\nseq_len = 16\n"
 
 
 def pipeline(stages=4, microbatches=8, schedule="1f1b", v=1) -> str:
-    return f'[pipeline]\nstages = {stages}\nmicrobatches = {microbatches}\nschedule = "{schedule}"\nvirtual_stages = {v}\n'
+    return (
+        f'[pipeline]\nstages = {stages}\nmicrobatches = {microbatches}\nschedule = "{schedule}"\n'
+        f"virtual_stages = {v}\n"
+    )
 
 
 def parse(text: str):
@@ -53,8 +57,8 @@ def test_default_scenario_is_the_8b_one():
         (pipeline() + MODEL.replace("kv_heads = 2", "kv_heads = 3"), r"model\.kv_heads: 3 must divide heads"),
         (pipeline() + MODEL + '[device]\npreset = "TPU"\n', r"device\.preset: unknown device 'TPU'; allowed: H100"),
         (pipeline() + MODEL + "[freeze]\ncap = 1.5\n", r"freeze\.cap: input should be less than or equal to 1"),
-        (pipeline().replace("stages = 4", "stages = true") + COSTS, r"pipeline\.stages: input should be a valid integer"),
-        (pipeline().replace("stages = 4", 'stages = "4"') + COSTS, r"pipeline\.stages: input should be a valid integer"),
+        (pipeline().replace("stages = 4", "stages = true") + COSTS, INT_ERR),
+        (pipeline().replace("stages = 4", 'stages = "4"') + COSTS, INT_ERR),
         ("[pipelin]\nstages = 1\n", r"pipelin: unknown key; allowed: pipeline, costs, model"),
         (pipeline() + MODEL + '[training]\ndtype = "int8"\n', r"training\.dtype: input should be 'bf16', 'fp16' or"),
     ],

@@ -104,7 +104,7 @@ def test_oom_is_reported_not_raised():
 def test_memory_timeline_returns_to_static():
     res = simulate(build_schedule("1f1b", 2, 3), make_costs(2, 1, 3, act=2.0, static=7.0))
     by_rank: dict[int, list[float]] = {}
-    for r, _t, hbm in res.memory:
+    for r, _t, hbm, *_tiers in res.memory:
         by_rank.setdefault(r, []).append(hbm)
     for r in (0, 1):
         assert by_rank[r][0] == 7.0 and by_rank[r][-1] == 7.0

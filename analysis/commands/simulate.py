@@ -8,7 +8,7 @@ from analysis.console import print_simulation
 from analysis.io import staged_output
 from analysis.outputs import write_simulation
 from sim.config import load_scenario
-from sim.step import simulate_scenario
+from solver.step import simulate_with_memory_policy
 
 
 def add_scenario_argument(parser: argparse.ArgumentParser) -> None:
@@ -20,17 +20,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--schedule", help="override pipeline.schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv)")
     group.add_argument("--schedule-csv", help="run this action order (torch action-string CSV, one row per rank)")
+    parser.add_argument("--virtual-stages", type=int, help="override pipeline.virtual_stages (chunks per rank)")
     parser.add_argument("--out", default="out/simulate", help="output folder (default: out/simulate)")
 
 
+def scenario_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """Flags that replace scenario keys: --schedule and --virtual-stages."""
+    out: dict[str, object] = {}
+    if getattr(args, "schedule", None):
+        out["pipeline.schedule"] = args.schedule
+    if getattr(args, "virtual_stages", None) is not None:
+        out["pipeline.virtual_stages"] = args.virtual_stages
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    overrides = {"pipeline.schedule": args.schedule} if args.schedule else {}
+    overrides = scenario_overrides(args)
     scenario = load_scenario(args.scenario, overrides)
-    result = simulate_scenario(scenario, args.schedule_csv)
+    result, extra = simulate_with_memory_policy(scenario, args.schedule_csv)
     title = f"{result.schedule.name}: p={result.schedule.num_ranks} m={result.schedule.num_microbatches} " \
             f"v={result.schedule.virtual_stages}"
     with staged_output(args.out) as stage:
-        summary = write_simulation(result, stage, title)
+        summary = write_simulation(result, stage, title, extra)
     print_simulation(summary, title)
     print(f"wrote {args.out}/: summary.json timeline.csv memory.csv schedule.csv trace.json gantt.png memory.png")
     return 0

@@ -1,0 +1,169 @@
+"""Capacity: for each memory policy, the deepest model of the scenario's width that fits HBM, and how fast.
+
+A policy is a schedule plus a memory treatment. `fits(layers)` simulates the step (or, for planner
+policies, solves the memory MILP and re-simulates its plan) and checks peak HBM against capacity - margin on
+every rank. Depth is searched over multiples of stages * virtual_stages: doubling until a depth fails, then
+bisection (fitting is monotone in depth: every per-layer cost grows with it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sim.config import Scenario, load_scenario
+from sim.costs import build_cost_table
+from sim.engine import SimResult, simulate
+from sim.errors import ScenarioError
+from sim.memory import build_memory_plan
+from sim.step import resolve_schedule
+
+MAX_LAYERS = 4096
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    schedule: str
+    virtual_stages: int
+    overrides: dict[str, Any] = field(default_factory=dict)
+    planner: bool = False  # the MILP chooses keep / recompute / offload per chunk and states per rank
+
+
+POLICIES: dict[str, Policy] = {
+    p.name: p
+    for p in [
+        Policy("1f1b", "1f1b", 1),
+        Policy("1f1b+recompute", "1f1b", 1, {"memory.recompute": "full"}),
+        Policy("interleaved-1f1b", "interleaved-1f1b", 2),
+        Policy("zbv", "zbv", 2),
+        Policy("v-half", "v-half", 2),
+        Policy("chronos", "chronos", 2),
+        Policy("chronos+recomp", "chronos", 2, {"memory.recompute": "chronos"}),
+        Policy("chronos+recomp+offload", "chronos", 2, planner=True),
+    ]
+}
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    layers: int
+    fits: bool
+    result: SimResult | None  # None when the planner found no plan
+    smallest_hbm_bytes: float | None = None
+
+
+def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy, layers: int) -> Evaluation:
+    """Simulate (or plan and simulate) the scenario at `layers` under `policy`."""
+    overrides = {
+        **base_overrides,
+        "pipeline.schedule": policy.schedule,
+        "pipeline.virtual_stages": policy.virtual_stages,
+        "model.layers": layers,
+        **policy.overrides,
+    }
+    sc = load_scenario(sc_path, overrides)
+    costs = build_cost_table(sc)
+    schedule = resolve_schedule(sc)
+    if policy.planner:
+        from solver.memory_milp import MemoryInfeasibleError, plan_memory
+
+        try:
+            planned = plan_memory(sc, costs, schedule)
+        except MemoryInfeasibleError:
+            return Evaluation(layers, False, None)
+        return Evaluation(layers, True, planned.simulated)
+    res = simulate(schedule, costs, memory=build_memory_plan(sc, costs, schedule))
+    return Evaluation(layers, not res.oom_over_limit, res)
+
+
+def max_layers(fits: Callable[[int], Evaluation], step: int) -> Evaluation | None:
+    """Largest multiple of `step` that fits (doubling, then bisection); None if even `step` does not."""
+    first = fits(step)
+    if not first.fits:
+        return None
+    best, k = first, 1
+    hi = None
+    while hi is None:
+        k2 = k * 2
+        if k2 * step > MAX_LAYERS:
+            hi = MAX_LAYERS // step + 1
+            break
+        ev = fits(k2 * step)
+        if ev.fits:
+            best, k = ev, k2
+        else:
+            hi = k2
+    lo = k
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        ev = fits(mid * step)
+        if ev.fits:
+            best, lo = ev, mid
+        else:
+            hi = mid
+    return best
+
+
+def model_params(sc: Scenario, layers: int) -> int:
+    """Parameters of the whole model (all TP and PP ranks) at `layers` layers."""
+    m = sc.model
+    h_kv = m.kv_heads * (m.hidden // m.heads)
+    per_layer = m.hidden * (m.hidden + 2 * h_kv) + m.hidden**2 + 3 * m.hidden * m.ffn_hidden + 2 * m.hidden
+    return layers * per_layer + 2 * m.vocab * m.hidden + m.hidden
+
+
+def capacity_table(
+    sc_path: str | None, policies: list[str], progress: Callable[[str], None] | None = None
+) -> list[dict]:
+    """One row per policy: max layers and params that fit, throughput there, and the scenario's own depth."""
+    base = load_scenario(sc_path)
+    if base.model is None:
+        raise ScenarioError("capacity: needs a [model] scenario (explicit costs have no depth to vary)")
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ScenarioError(f"--policies: unknown {', '.join(unknown)}; allowed: {', '.join(POLICIES)}")
+    keep = {"memory.hbm_margin_gib": base.memory.hbm_margin_gib}
+    rows = []
+    for name in policies:
+        if progress:
+            progress(name)
+        pol = POLICIES[name]
+        step = base.pipeline.stages * pol.virtual_stages
+        cache: dict[int, Evaluation] = {}
+
+        def fits(layers: int, pol: Policy = pol, cache: dict[int, Evaluation] = cache) -> Evaluation:
+            if layers not in cache:
+                cache[layers] = evaluate(sc_path, keep, pol, layers)
+            return cache[layers]
+
+        best = max_layers(fits, step)
+        own = base.model.layers
+        at_own = fits(own) if own % step == 0 else None
+        row: dict[str, Any] = {"policy": name, "schedule": pol.schedule, "virtual_stages": pol.virtual_stages}
+        if best is None or best.result is None:
+            row |= {"max_layers": 0, "params": 0}
+        else:
+            r = best.result
+            row |= {
+                "max_layers": best.layers,
+                "params": model_params(base, best.layers),
+                "tokens_per_s": r.tokens_per_s,
+                "layer_tokens_per_s": r.tokens_per_s * best.layers,
+                "peak_hbm_bytes": float(r.peak_hbm_bytes.max()),
+                "makespan_s": r.makespan_s,
+                "mfu": r.mfu,
+            }
+        row["scenario_layers"] = own
+        row["fits_scenario_layers"] = bool(at_own.fits) if at_own is not None else None
+        if at_own is not None and at_own.result is not None:
+            row["scenario_peak_hbm_bytes"] = float(at_own.result.peak_hbm_bytes.max())
+            row["scenario_tokens_per_s"] = at_own.result.tokens_per_s
+        rows.append(row)
+    ref = next((r for r in rows if r["policy"] == "1f1b" and r["max_layers"]), None)
+    for r in rows:
+        if ref and r["max_layers"]:
+            r["layers_vs_1f1b"] = r["max_layers"] / ref["max_layers"]
+            r["layer_throughput_vs_1f1b"] = r["layer_tokens_per_s"] / ref["layer_tokens_per_s"]
+    return rows

@@ -1,0 +1,226 @@
+"""Memory policies: what each chunk keeps in HBM, what it recomputes, what it offloads, where states live.
+
+A `MemoryPlan` holds per-chunk arrays the engine consumes. Recomputation policies are looked up by name:
+
+    none       keep every activation (Korthikanti et al.'s "no recomputation")
+    full       keep each layer's input, recompute the layer's forward right before its backward
+    selective  recompute attention: drop Q, K, V, O and the softmax statistics, redo QKV projection + attention
+    chronos    lifetime-aware: full recomputation for the chunks whose activations live longest in HBM (mean
+               time from F end to B/I start at or above the median over all chunks), nothing for the rest
+
+Offload: a share of each kept activation goes to DRAM (or NVMe) after its forward and is prefetched before
+its backward; model states (optimizer m/v, fp32 master weights, fp32 gradients) can live off HBM, with the
+optimizer step's copies run on the copy engines after each chunk's last backward (docs/memory.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sim.config import MemoryConfig, Scenario
+from sim.costs import ChunkDetail, CostTable
+from sim.errors import ScenarioError
+from sim.ir import Kind, Schedule
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    kept_bytes: np.ndarray  # HBM per microbatch from F until B/I ends (before offload)
+    transient_bytes: np.ndarray  # extra HBM while B/I runs (recomputation working set)
+    recompute_s: np.ndarray  # extra time before B/I
+    offload_bytes: np.ndarray  # part of kept_bytes copied to host after F, prefetched before B/I
+    offload_nvme: np.ndarray | None = None  # per chunk: True if its offloaded activations go to NVMe, not DRAM
+    static_hbm_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    static_host_bytes: dict[str, np.ndarray] = field(default_factory=dict)  # "dram"/"nvme" -> per chunk
+    step_d2h_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))  # after each chunk's last backward
+    step_host_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # host optimizer work per chunk
+    step_h2d_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    prefetch_lookahead: int = 2
+    hbm_limit_bytes: float = float("inf")  # capacity - margin
+    policy: tuple[str, ...] = ()  # per chunk, for reports
+    host_link_bps: float = 32e9
+    nvme_bps: float = 3e9
+
+    @property
+    def offloads(self) -> bool:
+        return bool(self.offload_bytes.any())
+
+    @property
+    def has_step_copies(self) -> bool:
+        return bool(self.step_d2h_bytes.any() or self.step_h2d_bytes.any())
+
+
+def keep_everything(costs: CostTable) -> MemoryPlan:
+    """The default plan: every activation stays in HBM, every model state too."""
+    n = costs.num_chunks
+    return MemoryPlan(
+        kept_bytes=costs.activation_bytes.astype(float),
+        transient_bytes=np.zeros(n),
+        recompute_s=np.zeros(n),
+        offload_bytes=np.zeros(n),
+        offload_nvme=np.zeros(n, dtype=bool),
+        static_hbm_bytes=costs.static_bytes.astype(float),
+        step_d2h_bytes=np.zeros(n),
+        step_host_s=np.zeros(n),
+        step_h2d_bytes=np.zeros(n),
+        hbm_limit_bytes=costs.hbm_bytes,
+        policy=("none",) * n,
+    )
+
+
+def activation_arrays(
+    costs: CostTable, full_layers: np.ndarray, selective_layers: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(kept, transient, extra time) per chunk when `full_layers` are recomputed whole and `selective_layers`
+    recompute attention only. Linear in the layer counts, which is what lets the MILP choose them."""
+    d = _detail(costs)
+    saved_full = d.layer_activation_bytes - d.layer_checkpoint_bytes
+    kept = costs.activation_bytes - full_layers * saved_full - selective_layers * d.attention_activation_bytes
+    extra = full_layers * d.layer_forward_s + selective_layers * d.attention_forward_s
+    transient = np.where(full_layers > 0, d.layer_activation_bytes, np.where(selective_layers > 0,
+                                                                             d.attention_activation_bytes, 0.0))
+    return np.maximum(kept, 0.0), transient, extra
+
+
+def _detail(costs: CostTable) -> ChunkDetail:
+    if costs.detail is None:
+        raise ScenarioError("memory: this cost table has no per-layer detail; build it from a scenario")
+    return costs.detail
+
+
+# ---- recomputation policies: name -> (costs, schedule) -> (full layers, selective layers) per chunk ----------
+RecomputeRule = Callable[[CostTable, Schedule], tuple[np.ndarray, np.ndarray]]
+
+
+def _none(costs: CostTable, _s: Schedule) -> tuple[np.ndarray, np.ndarray]:
+    return np.zeros(costs.num_chunks), np.zeros(costs.num_chunks)
+
+
+def _full(costs: CostTable, _s: Schedule) -> tuple[np.ndarray, np.ndarray]:
+    return _detail(costs).layers.astype(float), np.zeros(costs.num_chunks)
+
+
+def _selective(costs: CostTable, _s: Schedule) -> tuple[np.ndarray, np.ndarray]:
+    d = _detail(costs)
+    if not d.attention_activation_bytes.any():
+        raise ScenarioError("memory.recompute: 'selective' needs a [model] scenario (explicit costs have no attention)")
+    return np.zeros(costs.num_chunks), d.layers.astype(float)
+
+
+def _chronos(costs: CostTable, schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
+    life = activation_lifetimes(schedule, costs)
+    long_lived = life >= np.median(life)
+    return np.where(long_lived, _detail(costs).layers, 0).astype(float), np.zeros(costs.num_chunks)
+
+
+RECOMPUTE: dict[str, RecomputeRule] = {"none": _none, "full": _full, "selective": _selective, "chronos": _chronos}
+
+
+def activation_lifetimes(schedule: Schedule, costs: CostTable) -> np.ndarray:
+    """Mean time per chunk from a forward's end to its backward's start, in a keep-everything simulation."""
+    from sim.engine import simulate
+
+    res = simulate(schedule, costs)
+    n = costs.num_chunks
+    f_end = np.zeros((n, schedule.num_microbatches))
+    b_start = np.zeros_like(f_end)
+    for k, kind in enumerate(res.kind):
+        s, mb = res.stage[k], res.microbatch[k]
+        if kind == Kind.F:
+            f_end[s, mb] = res.end_s[k]
+        elif kind in (Kind.B, Kind.I):
+            b_start[s, mb] = res.start_s[k]
+    return (b_start - f_end).mean(axis=1)
+
+
+def build_memory_plan(sc: Scenario, costs: CostTable, schedule: Schedule) -> MemoryPlan:
+    """Resolve the scenario's [memory] table into a MemoryPlan for this schedule."""
+    mem: MemoryConfig = sc.memory
+    n = costs.num_chunks
+    names = mem.recompute if isinstance(mem.recompute, list) else [mem.recompute] * n
+    full = np.zeros(n)
+    selective = np.zeros(n)
+    for name in sorted(set(names)):
+        f, s = RECOMPUTE[name](costs, schedule)
+        mask = np.array([x == name for x in names])
+        full[mask], selective[mask] = f[mask], s[mask]
+    kept, transient, extra = activation_arrays(costs, full, selective)
+    policy = tuple(
+        "chronos:full" if nm == "chronos" and full[c] else ("chronos:none" if nm == "chronos" else nm)
+        for c, nm in enumerate(names)
+    )
+    return with_states(
+        sc,
+        costs,
+        MemoryPlan(
+            kept_bytes=kept,
+            transient_bytes=transient,
+            recompute_s=extra,
+            offload_bytes=kept * mem.offload_activations,
+            offload_nvme=np.full(n, mem.activations_tier == "nvme"),
+            prefetch_lookahead=mem.prefetch_lookahead,
+            policy=policy,
+        ),
+    )
+
+
+def with_states(sc: Scenario, costs: CostTable, plan: MemoryPlan) -> MemoryPlan:
+    """Place model states by tier and derive the optimizer step's copies; fill in capacity and bandwidths."""
+    mem = sc.memory
+    d = _detail(costs)
+    n = costs.num_chunks
+    parts = d.state_bytes
+    zero = np.zeros(n)
+    tiers = {"optimizer": mem.optimizer, "master_weights": mem.master_weights, "gradients": mem.gradients}
+    if set(parts) == {"weights"} and any(t != "hbm" for t in tiers.values()):
+        raise ScenarioError("memory.optimizer: model-state offload needs a [model] scenario (explicit costs lump "
+                            "all states into static_bytes)")
+    if mem.optimizer != "hbm" and mem.master_weights != mem.optimizer:
+        raise ScenarioError(f"memory.master_weights: must live with the host optimizer step ('{mem.optimizer}'), "
+                            f"got '{mem.master_weights}'")
+    static_hbm = parts.get("weights", zero).copy()
+    host: dict[str, np.ndarray] = {"dram": zero.copy(), "nvme": zero.copy()}
+    params = costs.params if costs.params is not None else zero
+    for part, tier in tiers.items():
+        b = parts.get(part, zero)
+        if tier == "hbm":
+            static_hbm += b
+        else:
+            host[tier] = host[tier] + b
+    if mem.gradients != "hbm":
+        static_hbm += 2 * params  # the bf16 buffer that accumulates on the GPU and is copied out at the end
+    d2h, h2d, host_s = zero.copy(), zero.copy(), zero.copy()
+    if mem.optimizer != "hbm":
+        d2h += 0 if mem.gradients != "hbm" else parts.get("gradients", zero)
+        d2h += 2 * params if mem.gradients != "hbm" else 0
+        bw = d.dram_bps if mem.optimizer == "dram" else d.nvme_bps
+        host_s += params * 28 / bw  # Adam on the host: read grad, read+write master, m, v (fp32)
+        h2d += parts.get("weights", zero)
+    elif mem.master_weights != "hbm" or mem.gradients != "hbm":
+        # GPU optimizer with host-resident master weights / gradient buffer: stream them in and out once
+        h2d += (parts.get("master_weights", zero) if mem.master_weights != "hbm" else 0) + (
+            parts.get("gradients", zero) if mem.gradients != "hbm" else 0)
+        d2h += parts.get("master_weights", zero) if mem.master_weights != "hbm" else 0
+    margin = mem.hbm_margin_gib * GIB
+    return MemoryPlan(
+        kept_bytes=plan.kept_bytes,
+        transient_bytes=plan.transient_bytes,
+        recompute_s=plan.recompute_s,
+        offload_bytes=plan.offload_bytes,
+        offload_nvme=plan.offload_nvme if plan.offload_nvme is not None else np.zeros(n, dtype=bool),
+        static_hbm_bytes=static_hbm,
+        static_host_bytes=host,
+        step_d2h_bytes=d2h,
+        step_host_s=host_s,
+        step_h2d_bytes=h2d,
+        prefetch_lookahead=plan.prefetch_lookahead,
+        hbm_limit_bytes=costs.hbm_bytes - margin,
+        policy=plan.policy,
+        host_link_bps=d.host_link_bps,
+        nvme_bps=min(d.nvme_bps, d.host_link_bps),
+    )

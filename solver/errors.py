@@ -1,0 +1,19 @@
+"""Planner errors: each is a PipeplanError, so the CLI reports it as one line and exits with code 2."""
+
+from sim.errors import PipeplanError
+
+
+class FreezeInputError(PipeplanError):
+    """Freeze settings that contradict the cost table, e.g. a fully frozen action slower than an unfrozen one."""
+
+
+class SolverError(PipeplanError):
+    """HiGHS did not reach an optimal solution (time limit, numerical trouble, unbounded model)."""
+
+
+class InfeasibleError(SolverError):
+    """The LP has no feasible point: the constraints contradict each other."""
+
+
+class VerificationError(SolverError):
+    """The simulator disagrees with the LP about the planned step: a bug in the planner, not bad input."""

@@ -1,0 +1,149 @@
+"""The one place that speaks highspy: a minimisation LP over array-shaped variable blocks.
+
+Everything camelCase stays in this file. Columns are added as blocks (`h.addVariables(n, lb=, ub=)`), rows
+as sparse (row, col, value) triplets passed to HiGHS in one `addRows` call per block, which is what keeps a
+50k-action DAG's model build in tens of milliseconds (building one highspy expression per row costs seconds).
+`minimize` solves and turns `getModelStatus()` into an `LPSolution` or an error: the `HighsStatus` that
+`run()` returns only says the call went through, never that the solution is optimal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+
+from solver.errors import InfeasibleError, SolverError
+
+_banner_silenced = False
+
+
+def _new_highs() -> highspy.Highs:
+    """A silent Highs. Its constructor prints a banner through C stdout once per process; swallow it."""
+    global _banner_silenced
+    if _banner_silenced:
+        h = highspy.Highs()
+    else:
+        sys.stdout.flush()
+        saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 1)
+            h = highspy.Highs()
+            ctypes.CDLL(None).fflush(None)
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+            os.close(devnull)
+        _banner_silenced = True
+    h.setOptionValue("output_flag", os.environ.get("PIPEPLAN_HIGHS_LOG") == "1")
+    return h
+
+
+@dataclass(frozen=True)
+class LPSolution:
+    x: np.ndarray  # (num_columns,) primal values
+    objective: float
+    iterations: int
+    wall_s: float
+
+
+class LinearProgram:
+    """min c·x subject to lower <= A x <= upper and column bounds, built block by block."""
+
+    def __init__(self, name: str, options: dict[str, float | int | str | bool] | None = None):
+        self.name = name
+        self._h = _new_highs()
+        for key, value in (options or {}).items():
+            self._h.setOptionValue(key, value)
+        self.num_columns = 0
+        self.num_rows = 0
+
+    def add_variables(self, n: int, lb: float | np.ndarray = 0.0, ub: float | np.ndarray = np.inf) -> np.ndarray:
+        """Add n columns; returns their indices (int32), to be shaped like the problem by the caller."""
+        if n == 0:
+            return np.empty(0, dtype=np.int32)
+        lb_arr = np.broadcast_to(np.asarray(lb, dtype=np.float64), (n,))
+        ub_arr = np.broadcast_to(np.asarray(ub, dtype=np.float64), (n,))
+        self._h.addVariables(n, lb=lb_arr.tolist(), ub=np.minimum(ub_arr, highspy.kHighsInf).tolist())
+        idx = np.arange(self.num_columns, self.num_columns + n, dtype=np.int32)
+        self.num_columns += n
+        return idx
+
+    def add_rows(
+        self,
+        lower: np.ndarray | float,
+        upper: np.ndarray | float,
+        row: np.ndarray,
+        col: np.ndarray,
+        val: np.ndarray,
+        num_rows: int | None = None,
+    ) -> np.ndarray:
+        """Add rows lower <= sum(val * x[col] for entries of that row) <= upper; `row` counts from 0."""
+        row = np.asarray(row, dtype=np.int64)
+        k = int(num_rows if num_rows is not None else (row.max() + 1 if row.size else 0))
+        if k == 0:
+            return np.empty(0, dtype=np.int32)
+        order = np.argsort(row, kind="stable")
+        starts = np.searchsorted(row[order], np.arange(k)).astype(np.int32)
+        lo = np.broadcast_to(np.asarray(lower, dtype=np.float64), (k,))
+        hi = np.broadcast_to(np.asarray(upper, dtype=np.float64), (k,))
+        inf = highspy.kHighsInf
+        status = self._h.addRows(
+            k,
+            np.clip(lo, -inf, inf),
+            np.clip(hi, -inf, inf),
+            int(row.size),
+            starts,
+            np.asarray(col, dtype=np.int32)[order],
+            np.asarray(val, dtype=np.float64)[order],
+        )
+        if status == highspy.HighsStatus.kError:
+            raise SolverError(f"{self.name}: HiGHS rejected {k} rows (bad index or NaN coefficient)")
+        idx = np.arange(self.num_rows, self.num_rows + k, dtype=np.int32)
+        self.num_rows += k
+        return idx
+
+    def set_upper_bound(self, col: int, ub: float) -> None:
+        lb = float(self._h.getLp().col_lower_[col])
+        self._h.changeColBounds(int(col), lb, float(ub))
+
+    def minimize(self, cols: np.ndarray, costs: np.ndarray | float, what: str,
+                 options: dict[str, float | int | str | bool] | None = None) -> LPSolution:
+        """Minimise sum(costs * x[cols]) (every other column costs 0); `what` names the solve in errors.
+
+        HiGHS keeps the basis of the previous solve, so a second objective on the same model starts warm.
+        """
+        h = self._h
+        all_cols = np.arange(self.num_columns, dtype=np.int32)
+        h.changeColsCost(self.num_columns, all_cols, np.zeros(self.num_columns))
+        cols = np.asarray(cols, dtype=np.int32)
+        c = np.broadcast_to(np.asarray(costs, dtype=np.float64), cols.shape)
+        h.changeColsCost(int(cols.size), cols, np.ascontiguousarray(c))
+        h.changeObjectiveSense(highspy.ObjSense.kMinimize)
+        for key, value in (options or {}).items():
+            h.setOptionValue(key, value)
+        t0 = time.perf_counter()
+        run_status = h.run()
+        wall = time.perf_counter() - t0
+        model_status = h.getModelStatus()
+        if model_status == highspy.HighsModelStatus.kOptimal:
+            info = h.getInfo()
+            x = np.asarray(h.getSolution().col_value, dtype=np.float64)
+            iters = int(info.simplex_iteration_count) + int(info.ipm_iteration_count)
+            return LPSolution(x, float(info.objective_function_value), iters, wall)
+        reason = h.modelStatusToString(model_status)
+        if model_status == highspy.HighsModelStatus.kInfeasible:
+            raise InfeasibleError(f"{self.name}: {what} is infeasible (HiGHS: {reason})")
+        raise SolverError(f"{self.name}: {what} ended without an optimum (HiGHS: {reason}; run: {run_status.name})")
+
+    def set_integer(self, cols: np.ndarray) -> None:
+        """Make columns integer (the model becomes a MILP; `minimize` then runs branch and bound)."""
+        cols = np.asarray(cols, dtype=np.int32)
+        if cols.size:
+            kinds = np.full(cols.size, highspy.HighsVarType.kInteger)
+            self._h.changeColsIntegrality(int(cols.size), cols, kinds)
