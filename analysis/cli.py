@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("analysis.commands.simulate", "simulate one training step: timeline, memory, bubbles, throughput"),
     "plan": ("analysis.commands.plan", "plan per-microbatch freeze ratios (TimelyFreeze LP), verified by simulation"),
     "capacity": ("analysis.commands.capacity", "per memory policy, the deepest model that fits HBM and its speed"),
+    "sweep": ("analysis.commands.sweep", "what-if grid over scenario keys: ranked, Pareto plot, heatmap; resumable"),
+    "report": ("analysis.commands.report", "one readable page (HTML + Markdown) from any pipeplan output folder"),
     "bench": ("analysis.commands.bench", "benchmarks: simulator and planner speed, CSV + figures"),
     "lcp": ("analysis.commands.lcp", "exact top-k longest-common-prefix index: build, query, bench"),
     "run": ("analysis.commands.run", "execute a verified plan with torch.distributed and measure it"),

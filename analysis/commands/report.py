@@ -1,0 +1,22 @@
+"""`pipeplan report DIR`: one readable page (report.html, self-contained, and report.md) from an output folder."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("folder", help="an output folder of simulate, plan, capacity, sweep, run or lcp bench")
+
+
+def run(args: argparse.Namespace) -> int:
+    from analysis.io import atomic_write_text
+    from analysis.report import render
+
+    folder = Path(args.folder)
+    page, md = render(folder)
+    atomic_write_text(folder / "report.html", page)
+    atomic_write_text(folder / "report.md", md)
+    print(f"wrote {folder}/report.html and {folder}/report.md")
+    return 0

@@ -1,0 +1,98 @@
+"""`pipeplan sweep` and `pipeplan report`: grids, invalid rows, resuming, the page."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from analysis.cli import main
+from analysis.sweep import config_id, configurations, parse_grid, run_sweep
+from scenarios import scenario_path
+from sim.errors import PipeplanError
+
+EIGHT_B = str(scenario_path("llama3-8b-pp4-h100"))
+GRID = {"pipeline.stages": [2, 4], "pipeline.schedule": ["1f1b", "interleaved-1f1b"], "pipeline.microbatches": [8]}
+
+
+def test_parse_grid_types_values():
+    grid = parse_grid(["pipeline.stages=2,4", "freeze.cap=0,0.5", "pipeline.schedule=1f1b,zbv",
+                       "parallel.sequence_parallel=true,false"])
+    assert grid == {"pipeline.stages": [2, 4], "freeze.cap": [0, 0.5], "pipeline.schedule": ["1f1b", "zbv"],
+                    "parallel.sequence_parallel": [True, False]}
+    assert len(list(configurations(grid))) == 16
+
+
+@pytest.mark.parametrize("bad", [["pipeline.stages"], ["=1,2"], ["a=1", "a=2"], []])
+def test_bad_grids(bad):
+    with pytest.raises(PipeplanError, match="--grid"):
+        parse_grid(bad)
+
+
+def test_sweep_records_invalid_combinations_and_resumes(tmp_path):
+    rows = run_sweep(EIGHT_B, GRID, tmp_path, jobs=2, plan_freeze=False)
+    assert len(rows) == 4
+    bad = rows[rows["pipeline.schedule"] == "interleaved-1f1b"]
+    assert (bad["status"] == "invalid").all()
+    assert bad["reason"].str.contains("virtual_stages").all()
+    ok = rows[rows["status"] == "ok"]
+    assert (ok["tokens_per_s"] > 0).all() and set(ok["pipeline.stages"]) == {2, 4}
+
+    csv = tmp_path / "sweep.csv"
+    before = csv.read_text()
+    run_sweep(EIGHT_B, GRID, tmp_path, jobs=2, plan_freeze=False)
+    assert csv.read_text() == before  # nothing recomputed, nothing duplicated
+
+    # an interrupted sweep: a torn last line and a missing configuration
+    lines = before.splitlines(keepends=True)
+    csv.write_text("".join(lines[:-1]) + lines[-1][:10])
+    again = run_sweep(EIGHT_B, GRID, tmp_path, jobs=1, plan_freeze=False)
+    assert sorted(again["config_id"]) == sorted(rows["config_id"])
+    assert len(pd.read_csv(csv)) == 4
+
+
+def test_sweep_refuses_a_folder_of_another_grid(tmp_path):
+    run_sweep(EIGHT_B, {"pipeline.microbatches": [8]}, tmp_path, jobs=1, plan_freeze=False)
+    with pytest.raises(PipeplanError, match="other grid keys"):
+        run_sweep(EIGHT_B, {"pipeline.stages": [4]}, tmp_path, jobs=1, plan_freeze=False)
+
+
+def test_config_ids_are_stable():
+    assert config_id({"a": 1, "b": "x"}) == config_id({"b": "x", "a": 1})
+
+
+def test_sweep_cli_writes_table_plots_and_freeze_speedups(tmp_path, capsys):
+    out = tmp_path / "sw"
+    argv = ["sweep", EIGHT_B, "--grid", "pipeline.microbatches=4,8", "--grid", "freeze.cap=0,0.9",
+            "--jobs", "2", "--out", str(out)]
+    assert main(argv) == 0
+    assert {"sweep.csv", "pareto.png", "heatmap.png"} <= {p.name for p in out.iterdir()}
+    df = pd.read_csv(out / "sweep.csv")
+    assert df.loc[df["freeze.cap"] == 0, "freeze_speedup"].tolist() == pytest.approx([1.0, 1.0])
+    assert (df.loc[df["freeze.cap"] == 0.9, "freeze_speedup"] > 1.0).all()
+    assert "best 4 configurations that fit" in capsys.readouterr().out
+
+
+def test_sweep_cli_bad_flags(tmp_path, capsys):
+    assert main(["sweep", EIGHT_B, "--grid", "pipeline.stages=2", "--heatmap", "a,b", "--out", str(tmp_path)]) == 2
+    assert "--heatmap" in capsys.readouterr().err
+    assert main(["sweep", "missing.toml", "--grid", "pipeline.stages=2", "--out", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x" / "sweep.csv").exists()
+
+
+def test_report_renders_a_simulate_folder(tmp_path):
+    out = tmp_path / "sim"
+    assert main(["simulate", "--out", str(out)]) == 0
+    assert main(["report", str(out)]) == 0
+    page = (out / "report.html").read_text()
+    md = (out / "report.md").read_text()
+    assert page.count("data:image/png;base64,") == 2  # gantt and memory, inlined
+    for name in ("summary.json", "timeline.csv", "schedule.csv", "gantt.png"):
+        assert name in md
+    assert "| makespan_s" in md and "peak_hbm (GiB)" in md
+
+
+def test_report_bad_folders(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a folder" in err and "holds no pipeplan outputs" in err
