@@ -8,6 +8,7 @@ import importlib
 # name -> module exposing add_arguments(parser) and run(args, out_dir) -> str (a one-line summary)
 BENCHES: dict[str, tuple[str, str]] = {
     "sim": ("analysis.bench.sim", "simulator speed vs torch's dry run, interleaved-1f1b up to p=64 m=512 v=2"),
+    "sweep": ("analysis.bench.sweep", "1,000 sweep configurations of the 8B scenario, parallel workers"),
     "plan": ("analysis.bench.plan", "freeze-LP build+solve time vs TimelyFreeze's scipy formulation"),
 }
 
