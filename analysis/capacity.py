@@ -115,9 +115,13 @@ def model_params(sc: Scenario, layers: int) -> int:
 
 
 def capacity_table(
-    sc_path: str | None, policies: list[str], progress: Callable[[str], None] | None = None
+    sc_path: str | None,
+    policies: list[str],
+    progress: Callable[[str], None] | None = None,
+    target_ratio: float = 2.4,
 ) -> list[dict]:
-    """One row per policy: max layers and params that fit, throughput there, and the scenario's own depth."""
+    """One row per policy: max layers and params that fit, throughput there, the scenario's own depth, and
+    the depth `target_ratio` x plain 1F1B's maximum (ChronosPipe's 2.4x claim): fits there, and how fast."""
     base = load_scenario(sc_path)
     if base.model is None:
         raise ScenarioError("capacity: needs a [model] scenario (explicit costs have no depth to vary)")
@@ -126,12 +130,13 @@ def capacity_table(
         raise ScenarioError(f"--policies: unknown {', '.join(unknown)}; allowed: {', '.join(POLICIES)}")
     keep = {"memory.hbm_margin_gib": base.memory.hbm_margin_gib}
     rows = []
+    caches: dict[str, dict[int, Evaluation]] = {}
     for name in policies:
         if progress:
             progress(name)
         pol = POLICIES[name]
         step = base.pipeline.stages * pol.virtual_stages
-        cache: dict[int, Evaluation] = {}
+        cache = caches.setdefault(name, {})
 
         def fits(layers: int, pol: Policy = pol, cache: dict[int, Evaluation] = cache) -> Evaluation:
             if layers not in cache:
@@ -166,4 +171,17 @@ def capacity_table(
         if ref and r["max_layers"]:
             r["layers_vs_1f1b"] = r["max_layers"] / ref["max_layers"]
             r["layer_throughput_vs_1f1b"] = r["layer_tokens_per_s"] / ref["layer_tokens_per_s"]
+    if ref:
+        for r in rows:
+            pol = POLICIES[r["policy"]]
+            step = base.pipeline.stages * pol.virtual_stages
+            target = -(-int(target_ratio * ref["max_layers"] * 1000) // (1000 * step)) * step
+            cache = caches[r["policy"]]
+            if target not in cache:
+                cache[target] = evaluate(sc_path, keep, pol, target)
+            ev = cache[target]
+            r["target_layers"] = target
+            r["fits_target"] = ev.fits
+            if ev.fits and ev.result is not None:
+                r["target_layer_throughput_vs_1f1b"] = ev.result.tokens_per_s * target / ref["layer_tokens_per_s"]
     return rows

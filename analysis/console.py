@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-console = Console(width=None if sys.stdout.isatty() else 120)  # logs and pipes get full tables
+console = Console(width=None if sys.stdout.isatty() else 160)  # logs and pipes get full tables
 
 
 def gib(x: float) -> str:

@@ -13,6 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_scenario_argument(parser)
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="comma-separated policies (default: all): " + ", ".join(POLICIES))
+    parser.add_argument("--target-ratio", type=float, default=2.4,
+                        help="also test each policy at this multiple of plain 1F1B's max depth (default: 2.4)")
     parser.add_argument("--out", default="out/capacity", help="output folder (default: out/capacity)")
 
 
@@ -32,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
             bar.update(task, advance=0 if bar.tasks[0].completed == 0 and name == policies[0] else 1,
                        description=f"capacity: {name}")
 
-        rows = capacity_table(args.scenario, policies, progress=step)
+        rows = capacity_table(args.scenario, policies, progress=step, target_ratio=args.target_ratio)
         bar.update(task, completed=len(policies))
     df = pd.DataFrame(rows)
     with staged_output(args.out) as stage:

@@ -1,0 +1,153 @@
+"""`pipeplan lcp`: exact top-k longest-common-prefix retrieval — build an index, query it, benchmark it.
+
+    pipeplan lcp build --input rows.npy --out rows.lcp
+    pipeplan lcp query rows.lcp --queries q.npy -k 10 [--out hits.csv]
+    pipeplan lcp bench [--n 1e4,1e5] [--batch 512] [--out out/lcp-bench]
+    pipeplan lcp bench --n 1e4,1e5,1e6,2e7 --batch 4096 --scan-batch 4 --threads 1 --out out/lcp-20m
+
+Inputs: .npy (2-D integer array), .pt (tensor or {"seqs", "lengths"}), or text (one sequence per line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import time
+
+HELP = "exact top-k longest-common-prefix retrieval: build, query and benchmark an LCP index"
+
+
+def _count(text: str) -> int:
+    """'1e6' or '20_000_000' -> int."""
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value != int(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
+    return int(value)
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    return tuple(_count(part) for part in text.split(",") if part.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="lcp_command", required=True, parser_class=type(parser))
+    p = sub.add_parser("build", help="index the rows of a file", description="Index the rows of a file.")
+    p.add_argument("--input", required=True, help="rows: .npy, .pt or text (one sequence per line)")
+    p.add_argument("--out", required=True, help="index file to write (atomically)")
+    p.add_argument("--device", default="cpu", help="torch device to build on (default: cpu)")
+
+    p = sub.add_parser("query", help="top-k rows by LCP for each query", description="Query an index.")
+    p.add_argument("index", help="index file written by `pipeplan lcp build`")
+    p.add_argument("--queries", required=True, help="queries: .npy, .pt or text")
+    p.add_argument("-k", type=int, default=10, help="results per query (default: 10)")
+    p.add_argument("--device", default="cpu", help="torch device to query on (default: cpu)")
+    p.add_argument("--out", help="CSV to write (query,rank,id,lcp); default: print to stdout")
+
+    p = sub.add_parser("bench", help="latency, memory and energy vs N", description="Benchmark sweep.")
+    p.add_argument("--n", type=_counts, default=(10_000, 100_000), help="row counts, e.g. 1e4,1e5,2e7")
+    p.add_argument("--length", type=_count, default=32, help="tokens (bytes) per row (default: 32)")
+    p.add_argument("-k", "--k", type=_count, default=10, help="results per query (default: 10)")
+    p.add_argument("--batch", type=_count, default=512, help="queries per timed call (default: 512)")
+    p.add_argument("--scan-batch", type=_count, default=8, help="queries per full-scan call (default: 8)")
+    p.add_argument("--repeats", type=_count, default=5, help="timed calls per method (default: 5)")
+    p.add_argument("--scan-repeats", type=_count, default=2, help="timed scan/pairwise calls (default: 2)")
+    p.add_argument("--methods", default="index,scan,trie,pairwise", help="comma list (default: all four)")
+    p.add_argument("--trie-max-n", type=_count, default=1_000_000, help="skip the trie above this N")
+    p.add_argument("--pairwise-max-n", type=_count, default=30_000, help="run pairwise above this N only to refuse")
+    p.add_argument("--pairwise-budget-gib", type=float, help="pairwise memory budget (default: half of free)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0, help="data seed (default: 0)")
+    p.add_argument("--out", default="out/lcp-bench", help="output folder (default: out/lcp-bench)")
+
+
+def run(args: argparse.Namespace) -> int:
+    return {"build": _build, "query": _query, "bench": _bench}[args.lcp_command](args)
+
+
+def _build(args: argparse.Namespace) -> int:
+    from lcp import LCPIndex
+    from lcp.inputs import load_rows
+
+    seqs, lengths = load_rows(args.input)
+    t0 = time.perf_counter()
+    index = LCPIndex.build(seqs, lengths, device=args.device)
+    build_s = time.perf_counter() - t0
+    index.save(args.out)
+    raw = seqs.numel() * seqs.element_size()
+    print(
+        f"indexed {index.n:,} rows × {index.length} {str(seqs.dtype)[6:]} tokens in {build_s:.2f} s: "
+        f"{index.nbytes:,} bytes ({index.nbytes / max(raw, 1):.2f}× the raw rows) -> {args.out}"
+    )
+    return 0
+
+
+def _query(args: argparse.Namespace) -> int:
+    from analysis.io import atomic_write_text
+    from lcp import LCPIndex
+    from lcp.inputs import load_rows
+
+    index = LCPIndex.load(args.index, device=args.device)
+    queries, lengths = load_rows(args.queries)
+    ids, lcps = index.topk(queries, args.k, lengths)
+    out = io.StringIO()
+    out.write("query,rank,id,lcp\n")
+    for q, (row_ids, row_lcps) in enumerate(zip(ids.tolist(), lcps.tolist(), strict=True)):
+        for rank, (i, lcp) in enumerate(zip(row_ids, row_lcps, strict=True), start=1):
+            if i >= 0:
+                out.write(f"{q},{rank},{i},{lcp}\n")
+    if args.out:
+        atomic_write_text(args.out, out.getvalue())
+        print(f"wrote {len(queries)} queries × top-{args.k} to {args.out}")
+    else:
+        print(out.getvalue(), end="")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from analysis.io import staged_output
+    from analysis.lcp_plots import plot_latency, plot_memory
+    from lcp.baselines import memory_budget_bytes
+    from lcp.bench import BenchConfig, run_bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    budget = int(args.pairwise_budget_gib * 2**30) if args.pairwise_budget_gib else None
+    cfg = BenchConfig(
+        ns=args.n, length=args.length, k=args.k, batch=args.batch, scan_batch=args.scan_batch,
+        repeats=args.repeats, scan_repeats=args.scan_repeats,
+        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+        trie_max_n=args.trie_max_n, pairwise_max_n=args.pairwise_max_n, pairwise_budget_bytes=budget,
+        device=args.device, seed=args.seed,
+    )  # fmt: skip
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
+    with Progress(*columns, TimeElapsedColumn()) as bar:
+        task = bar.add_task("lcp bench", total=len(cfg.ns) * len(cfg.methods))
+        df = run_bench(cfg, lambda done, total, what: bar.update(task, completed=done, description=what))
+    budget_bytes = budget or memory_budget_bytes(torch.device(args.device))
+    with staged_output(args.out) as stage:
+        df.to_csv(stage / "bench.csv", index=False)
+        plot_latency(df, stage / "latency.png")
+        plot_memory(df, stage / "memory.png", budget_bytes=budget_bytes, batch=cfg.batch, length=cfg.length)
+        meta = {
+            "command": "pipeplan lcp bench",
+            "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "pairwise_budget_bytes": budget_bytes,
+            "notes": cfg.notes,
+        }
+        (stage / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    print(df.to_string(index=False))
+    for note in cfg.notes:
+        print(f"note: {note}")
+    print(f"wrote {args.out}/: bench.csv latency.png memory.png meta.json")
+    return 0
