@@ -1,0 +1,196 @@
+"""Memory-capped V-shaped schedules, built by one list scheduler: `v-half` and `chronos`.
+
+v-half — V-Half (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", arXiv 2405.15362): ZB-V's
+    V placement and split backward, with peak activations capped at (p+2)//2 whole-rank microbatches, about
+    half of 1F1B's p. The paper builds it from a repeating building block; here the order comes from the
+    list scheduler below with that cap. Unit-cost step time against ZB-V, m >= 2p: +0-6 % for even p, up to
+    +13 % for odd p, shrinking with m (docs/schedules.md).
+chronos — Chronos-Pipe (Lin et al. 2025, ChronosPipe, arXiv 2503.03182): HBM treated as a small cache, so
+    each activation should be consumed soon after it is made. Zig-zag placement over v >= 2 (even) chunks
+    per rank, split backward, backward first, and the smallest admission cap whose unit-cost step time
+    stays within CHRONOS_SLOWDOWN of the uncapped schedule's. The paper's body was not available; the
+    reasoning behind each choice, and measurements, are in docs/schedules.md.
+
+List scheduler. Time runs in unit steps (T_F = T_I = T_W = 1 and T_B = 2 per chunk); whenever a rank is idle
+it takes the first ready action from:
+  1. a backward (I, or B without split): the one whose activation has waited longest;
+  2. a W, if the rank holds `w_limit` chunk-activations whose W has not run (in flight + deferred W);
+  3. a forward: later chunks first (they carry older microbatches towards the loss), then the lowest
+     microbatch. A forward of the rank's first chunk admits a new microbatch and needs
+     reserved_r + v <= `forward_limit`;
+  4. any other W, oldest first (W only fills what would otherwise be a bubble).
+
+Reservation: admitting a microbatch on rank r reserves all v of its chunk-activations there and each of its
+backwards there releases one, so live_r <= reserved_r <= forward_limit throughout. The count of live
+activations along a rank's order does not depend on timing, so this bounds the peak under any costs, and
+likewise live_r + deferred W_r <= max(forward_limit, w_limit).
+
+Deadlock freedom, for any forward_limit >= v: let j be the oldest unfinished microbatch. Microbatches are
+admitted in order, so a rank that has not admitted j holds no reservation and may admit it; later chunks'
+forwards and all backwards are never gated; so an action of j is always ready and the scheduler never stalls.
+The static order it emits runs under any costs, since the unit-cost run is one valid execution of it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from functools import lru_cache
+
+from sim.errors import ScheduleError
+from sim.ir import Action, Kind, Schedule
+from sim.schedules import exact_virtual_stages, register
+
+CHRONOS_SLOWDOWN = 0.05  # chronos may run this much slower than the uncapped schedule (unit costs)
+_UNIT_COST = {Kind.F: 1, Kind.I: 1, Kind.W: 1, Kind.B: 2}
+
+
+def zigzag_placement(p: int, v: int) -> tuple[int, ...]:
+    """Chunk c of rank r is stage c·p + r for even c and c·p + p-1-r for odd c; v = 2 is the V placement."""
+    return tuple(s % p if (s // p) % 2 == 0 else p - 1 - s % p for s in range(p * v))
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What the list scheduler lets one rank hold, in chunk-activations (one chunk, one microbatch)."""
+
+    forward_limit: int  # activations live or reserved; gates forwards of the rank's first chunk
+    w_limit: int  # activations whose W has not run; at this count W goes before forwards
+    split_backward: bool = True
+
+
+@dataclass(frozen=True)
+class ListSchedule:
+    ranks: tuple[tuple[Action, ...], ...]
+    makespan: int  # of the unit-cost run that produced the order; the engine's is no larger
+
+
+class PastDeadline(Exception):
+    """A list-scheduler run could not finish by its deadline."""
+
+
+def list_schedule(p: int, m: int, v: int, admission: Admission, deadline: float = float("inf")) -> ListSchedule:
+    """Run the list scheduler (module docstring) over the zig-zag-placed p·v chunks with unit costs; raise
+    PastDeadline as soon as some action would end after `deadline`."""
+    if admission.forward_limit < v:
+        raise ScheduleError(f"forward_limit {admission.forward_limit} < v = {v}: no microbatch could be admitted")
+    n = p * v
+    placement = zigzag_placement(p, v)
+    chunks = [[s for s in range(n) if placement[s] == r] for r in range(p)]  # ascending stage = chunk order
+    backward = Kind.I if admission.split_backward else Kind.B
+    never = float("inf")
+    f_end = [[never] * m for _ in range(n)]
+    b_end = [[never] * m for _ in range(n)]
+    next_f, next_b = [0] * n, [0] * n
+    deferred_w: list[deque[Action]] = [deque() for _ in range(p)]
+    reserved, held = [0] * p, [0] * p  # held: activations whose W (or B) has not run
+    free_at = [0] * p
+    orders: list[list[Action]] = [[] for _ in range(p)]
+    remaining = n * m * (3 if admission.split_backward else 2)
+
+    def pick(r: int, t: int) -> Action | None:
+        ready_b = [
+            (f_end[s][k], -s, s, k)
+            for s in chunks[r]
+            if (k := next_b[s]) < m and f_end[s][k] <= t and (s == n - 1 or b_end[s + 1][k] <= t)
+        ]
+        if ready_b:
+            *_, s, k = min(ready_b)
+            return Action(s, backward, k)
+        if deferred_w[r] and held[r] >= admission.w_limit:
+            return deferred_w[r].popleft()
+        for c in reversed(range(v)):
+            s = chunks[r][c]
+            k = next_f[s]
+            if k < m and (s == 0 or f_end[s - 1][k] <= t) and (c > 0 or reserved[r] + v <= admission.forward_limit):
+                return Action(s, Kind.F, k)
+        return deferred_w[r].popleft() if deferred_w[r] else None
+
+    t = 0
+    while remaining:
+        for r in range(p):
+            if free_at[r] > t or (a := pick(r, t)) is None:
+                continue
+            end = t + _UNIT_COST[a.kind]
+            if end > deadline:
+                raise PastDeadline(f"list schedule p={p}, m={m}, v={v}, {admission} runs past {deadline}")
+            free_at[r] = end
+            orders[r].append(a)
+            remaining -= 1
+            s, k = a.stage, a.microbatch
+            if a.kind is Kind.F:
+                f_end[s][k] = end
+                next_f[s] += 1
+                held[r] += 1
+                if s == chunks[r][0]:
+                    reserved[r] += v
+            elif a.kind is backward:
+                b_end[s][k] = end
+                next_b[s] += 1
+                reserved[r] -= 1  # the rank decides again only after this backward has ended
+                if a.kind is Kind.I:
+                    deferred_w[r].append(Action(s, Kind.W, k))
+                else:
+                    held[r] -= 1
+            else:
+                held[r] -= 1
+        busy_until = [f for f in free_at if f > t]
+        if remaining and not busy_until:  # unreachable by the argument in the module docstring
+            raise ScheduleError(f"list scheduler stalled at t={t} with p={p}, m={m}, v={v}, {admission}")
+        t = min(busy_until, default=t)
+    return ListSchedule(tuple(tuple(o) for o in orders), max(free_at))
+
+
+def deferred_w_limit(p: int, v: int) -> int:
+    """Deferred W passes may keep one whole-rank microbatch more than 1F1B's p (ZB-V's 2p chunks at v = 2)."""
+    return v * (p + 1)
+
+
+# ---- v-half ------------------------------------------------------------------------------------------------
+def v_half_limit(p: int) -> int:
+    """V-Half's cap in chunk-activations: (p+2)//2 whole-rank microbatches of 2 chunks each."""
+    return 2 * ((p + 2) // 2)
+
+
+def _check_v_half(p: int, m: int, v: int) -> str | None:
+    return exact_virtual_stages(v, 2)
+
+
+@register("v-half", _check_v_half, "V placement, split backward, peak (p+2)//2 microbatches (half of 1F1B's)")
+def build_v_half(p: int, m: int, v: int) -> Schedule:
+    plan = list_schedule(p, m, 2, Admission(v_half_limit(p), deferred_w_limit(p, 2)))
+    return Schedule("v-half", 2 * p, m, plan.ranks, zigzag_placement(p, 2))
+
+
+# ---- chronos -----------------------------------------------------------------------------------------------
+def _check_chronos(p: int, m: int, v: int) -> str | None:
+    if v < 2 or v % 2:
+        return (
+            f"needs pipeline.virtual_stages to be even and >= 2 (got {v}): its zig-zag placement goes down "
+            f"and back up the ranks, so each rank holds pairs of chunks; e.g. {max(2, v + v % 2)}"
+        )
+    return None
+
+
+@lru_cache(maxsize=64)  # a linear scan of list-scheduler runs: 0.1 s at p = 8, m = 32; 6 s at p = 32, m = 64
+def chronos_plan(p: int, m: int, v: int, slowdown: float = CHRONOS_SLOWDOWN) -> tuple[int, ListSchedule]:
+    """The smallest forward_limit whose unit-cost makespan is within `slowdown` of the uncapped schedule's."""
+    w_limit = deferred_w_limit(p, v)
+    uncapped = list_schedule(p, m, v, Admission(v * m, w_limit))  # a cap of v·m never binds
+    target = (1 + slowdown) * uncapped.makespan
+    for limit in range(v, v * m):
+        try:
+            return limit, list_schedule(p, m, v, Admission(limit, w_limit), deadline=target)
+        except PastDeadline:  # too slow at this cap; cut short
+            continue
+    return v * m, uncapped
+
+
+@register(
+    "chronos",
+    _check_chronos,
+    "zig-zag over v >= 2 (even) chunks, backward first, smallest memory cap within 5% of uncapped step time",
+)
+def build_chronos(p: int, m: int, v: int) -> Schedule:
+    _, plan = chronos_plan(p, m, v)
+    return Schedule("chronos", p * v, m, plan.ranks, zigzag_placement(p, v))

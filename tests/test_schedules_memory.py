@@ -1,0 +1,249 @@
+"""Memory-capped V schedules (v-half, chronos) against ground truth: torch's validator and dry run, the
+engine's measured peaks and activation lifetimes, the DAG longest path, and the table in docs/schedules.md."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from torch.distributed.pipelining import schedules as ts
+
+from sim.dag import build_dag, longest_path_s
+from sim.engine import SimResult, simulate
+from sim.errors import ScheduleError
+from sim.ir import Action, Kind, Schedule
+from sim.schedules import SCHEDULES, build_schedule, schedule_names
+from sim.schedules.v_shape import (
+    CHRONOS_SLOWDOWN,
+    Admission,
+    PastDeadline,
+    chronos_plan,
+    deferred_w_limit,
+    list_schedule,
+    v_half_limit,
+    zigzag_placement,
+)
+from tests.conftest import make_costs
+
+RANKS = range(1, 9)
+MICROBATCHES = (1, 2, 3, 4, 5, 7, 8, 9, 12, 16)
+MEMORY_CAPPED = [("v-half", 2), ("chronos", 2), ("chronos", 4)]
+
+
+def sizes(name: str, v: int) -> Iterator[tuple[int, int]]:
+    schedule_names()  # registers the built-ins
+    for p in RANKS:
+        for m in MICROBATCHES:
+            if SCHEDULES[name].check(p, m, v) is None:
+                yield p, m
+
+
+def run_unit(sched: Schedule) -> SimResult:
+    """Simulate with T_F = T_I = T_W = 1/v and activation 1/v per chunk: every schedule then runs the same
+    model (a rank's whole-microbatch forward takes 1 and holds 1), whatever its v."""
+    v = sched.virtual_stages
+    u = 1.0 / v
+    return simulate(sched, make_costs(sched.num_ranks, v, sched.num_microbatches, f=u, i=u, w=u, act=u))
+
+
+def activation_lifetimes(res: SimResult) -> np.ndarray:
+    """For every (stage, microbatch): time from the end of its F to the start of its B or I — how long the
+    activation waits in HBM before the backward starts consuming it."""
+    f_end, b_start = {}, {}
+    for stage, mb, kind, start, end in zip(res.stage, res.microbatch, res.kind, res.start_s, res.end_s, strict=True):
+        if kind == "F":
+            f_end[stage, mb] = end
+        elif kind in ("B", "I"):
+            b_start[stage, mb] = start
+    return np.array([b_start[key] - f_end[key] for key in f_end])
+
+
+def in_flight_peak(actions: tuple[Action, ...], freed_by: tuple[Kind, ...]) -> int:
+    """Most forwards along a rank's order not yet followed by their `freed_by` pass (timing-independent)."""
+    live = peak = 0
+    for a in actions:
+        if a.kind is Kind.F:
+            live += 1
+            peak = max(peak, live)
+        elif a.kind in freed_by:
+            live -= 1
+    return peak
+
+
+# ---- validity --------------------------------------------------------------------------------------------
+def test_registered_with_checks_that_name_the_field():
+    assert {"v-half", "chronos"} <= set(schedule_names())
+    assert SCHEDULES["v-half"].check(4, 8, 3) == "needs pipeline.virtual_stages = 2 (got 3)"
+    for v in (1, 3, 5):
+        assert "pipeline.virtual_stages to be even and >= 2" in SCHEDULES["chronos"].check(4, 8, v)
+    assert all(SCHEDULES["chronos"].check(p, m, v) is None for p in RANKS for m in (1, 7, 16) for v in (2, 4, 6))
+    with pytest.raises(ScheduleError, match=r"'chronos' needs pipeline.virtual_stages to be even .* \(got 3\)"):
+        build_schedule("chronos", 4, 8, 3)
+
+
+def test_v_placement_is_the_registry_s_and_zigzag_returns_every_other_chunk():
+    from sim.schedules import v_placement
+
+    assert all(zigzag_placement(p, 2) == v_placement(p) for p in RANKS)
+    assert zigzag_placement(3, 4) == (0, 1, 2, 2, 1, 0, 0, 1, 2, 2, 1, 0)
+
+
+@pytest.mark.parametrize(("name", "v"), MEMORY_CAPPED)
+def test_torch_validator_accepts_and_dry_run_progresses(name: str, v: int):
+    for p, m in sizes(name, v):
+        sched = build_schedule(name, p, m, v)
+        assert (sched.num_ranks, sched.num_stages, sched.num_microbatches) == (p, p * v, m)
+        mapping = ts._validate_schedule(sched.to_torch(), p, p * v, m)
+        assert tuple(mapping[s] for s in range(p * v)) == sched.stage_to_rank
+        stage_to_rank = sched.stage_to_rank.__getitem__
+        with_comms = ts._add_send_recv(sched.to_torch(), stage_to_rank=stage_to_rank, num_stages=p * v)
+        ts._simulate_comms_compute(with_comms, stage_to_rank=stage_to_rank, num_stages=p * v)
+
+
+@pytest.mark.parametrize(("name", "v"), MEMORY_CAPPED)
+def test_csv_round_trip(name: str, v: int):
+    for p, m in [(1, 1), (2, 4), (3, 7), (4, 8), (8, 16)]:
+        sched = build_schedule(name, p, m, v)
+        back = Schedule.from_csv_text(sched.to_csv_text(), num_microbatches=m)
+        assert back == sched
+        assert back.stage_to_rank == sched.stage_to_rank
+
+
+@pytest.mark.parametrize("v", [2, 4])
+def test_list_scheduler_never_stalls_even_at_the_tightest_cap(v: int):
+    # The reservation argument says any forward_limit >= v works; sweep the caps that bind.
+    for p in RANKS:
+        for m in (1, 3, 8):
+            for limit in range(v, v * (p + 2), max(1, p // 2)):
+                plan = list_schedule(p, m, v, Admission(limit, deferred_w_limit(p, v)))
+                sched = Schedule("cap", p * v, m, plan.ranks, zigzag_placement(p, v)).validate()
+                res = simulate(sched, make_costs(p, v, m))  # raises DeadlockError on a bad order
+                assert res.makespan_s <= plan.makespan
+                assert max(in_flight_peak(r, (Kind.I,)) for r in sched.ranks) <= limit
+
+
+def test_list_scheduler_refuses_a_cap_below_one_microbatch_and_gives_up_past_its_deadline():
+    with pytest.raises(ScheduleError, match="forward_limit 1 < v = 2"):
+        list_schedule(4, 8, 2, Admission(1, 10))
+    with pytest.raises(PastDeadline):
+        list_schedule(4, 8, 2, Admission(2, 10), deadline=40)
+
+
+@pytest.mark.parametrize(("name", "v"), MEMORY_CAPPED)
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 12)])
+def test_makespan_equals_dag_longest_path(name: str, v: int, p: int, m: int):
+    rng = np.random.default_rng(p * 100 + m)
+    n = p * v
+    costs = make_costs(p, v, m, f=rng.uniform(0.5, 2, n), i=rng.uniform(0.5, 2, n), w=rng.uniform(0, 1, n))
+    sched = build_schedule(name, p, m, v)
+    assert simulate(sched, costs).makespan_s == pytest.approx(longest_path_s(build_dag(sched, costs)), rel=1e-12)
+
+
+# ---- v-half: memory ---------------------------------------------------------------------------------------
+def test_v_half_holds_at_most_p_plus_2_over_2_microbatches_per_rank():
+    for p, m in sizes("v-half", 2):
+        sched = build_schedule("v-half", p, m, 2)
+        cap = 2 * min((p + 2) // 2, m)  # chunk-activations; (p+2)//2 whole-rank microbatches
+        assert v_half_limit(p) == 2 * ((p + 2) // 2)
+        res = simulate(sched, make_costs(p, 2, m))  # 1 per chunk-activation
+        assert res.peak_activation_bytes.max() <= cap, (p, m)
+        one_f_one_b = simulate(build_schedule("1f1b", p, m), make_costs(p, 1, m))  # 1 per whole-rank microbatch
+        assert res.peak_activation_bytes.max() / 2 <= one_f_one_b.peak_activation_bytes[0]
+        if p >= 3 and m >= p:  # strictly less than 1F1B's p microbatches on rank 0
+            assert res.peak_activation_bytes.max() / 2 < one_f_one_b.peak_activation_bytes[0]
+        # Deferred W passes stay within one microbatch of ZB-V's 2p.
+        assert max(in_flight_peak(r, (Kind.W,)) for r in sched.ranks) <= max(cap, deferred_w_limit(p, 2))
+
+
+def test_v_half_costs_a_few_percent_of_zbv_step_time_at_half_its_memory():
+    # Measured: +1-6% for even p, up to +13% for odd p (whose cap (p+1)//2 is relatively tighter), m >= 2p.
+    for p in range(2, 9):
+        for m in (2 * p, 3 * p, 4 * p):
+            unit = make_costs(p, 2, m)
+            v_half = simulate(build_schedule("v-half", p, m, 2), unit)
+            zbv = simulate(build_schedule("zbv", p, m, 2), unit)
+            assert v_half.peak_activation_bytes.max() <= (p + 2) // 2 * 2 <= zbv.peak_activation_bytes.max()
+            assert zbv.makespan_s <= v_half.makespan_s <= (1.06 if p % 2 == 0 else 1.13) * zbv.makespan_s, (p, m)
+
+
+# ---- chronos: memory, lifetime, step time ------------------------------------------------------------------
+def test_chronos_holds_less_than_1f1b_from_4_ranks_on():
+    for p in range(4, 9):
+        for m in (2 * p, 3 * p, 4 * p):
+            chronos = run_unit(build_schedule("chronos", p, m, 2))
+            one_f_one_b = run_unit(build_schedule("1f1b", p, m))
+            assert chronos.peak_activation_bytes.max() < one_f_one_b.peak_activation_bytes[0] == p, (p, m)
+
+
+def test_chronos_activations_wait_less_than_under_1f1b_interleaved_and_zbv():
+    # Measured ratios of mean waits over this sweep: <= 0.89 of 1F1B's, 0.55 of interleaved's, 0.71 of ZB-V's.
+    for p in range(3, 9):
+        for m in (p, 2 * p, 4 * p):
+            chronos = activation_lifetimes(run_unit(build_schedule("chronos", p, m, 2)))
+            for other, ratio in [("1f1b", 0.9), ("interleaved-1f1b", 0.6), ("zbv", 0.75)]:
+                waits = activation_lifetimes(run_unit(build_schedule(other, p, m, 1 if other == "1f1b" else 2)))
+                assert chronos.mean() < ratio * waits.mean(), (other, p, m)
+                assert chronos.max() < waits.max(), (other, p, m)
+
+
+def test_chronos_step_time_is_within_5_percent_of_the_uncapped_and_of_zbv_and_beats_interleaved():
+    for p in RANKS:
+        for m in (1, 3, 8, 9, 12, 16):
+            limit, plan = chronos_plan(p, m, 2)
+            uncapped = list_schedule(p, m, 2, Admission(2 * m, deferred_w_limit(p, 2)))
+            assert plan.makespan <= (1 + CHRONOS_SLOWDOWN) * uncapped.makespan
+            if limit > 2:  # the cap is the smallest that keeps that pace
+                with pytest.raises(PastDeadline):
+                    list_schedule(p, m, 2, Admission(limit - 1, deferred_w_limit(p, 2)),
+                                  deadline=(1 + CHRONOS_SLOWDOWN) * uncapped.makespan)  # fmt: skip
+            chronos = run_unit(build_schedule("chronos", p, m, 2))
+            assert chronos.makespan_s <= (1 + CHRONOS_SLOWDOWN) * run_unit(build_schedule("zbv", p, m, 2)).makespan_s
+            if SCHEDULES["interleaved-1f1b"].check(p, m, 2) is None:
+                assert chronos.makespan_s <= run_unit(build_schedule("interleaved-1f1b", p, m, 2)).makespan_s
+
+
+@pytest.mark.parametrize(("p", "m"), [(4, 8), (8, 32)])
+def test_chronos_uses_split_backward_because_full_b_is_slower_at_every_cap(p: int, m: int):
+    split = list_schedule(p, m, 2, Admission(2 * m, deferred_w_limit(p, 2))).makespan
+    interleaved = run_unit(build_schedule("interleaved-1f1b", p, m, 2)).makespan_s * 2  # in unit chunk passes
+    full_b = [list_schedule(p, m, 2, Admission(cap, 2 * m, split_backward=False)).makespan for cap in (2 * p, 2 * m)]
+    assert split < interleaved < min(full_b)
+
+
+# ---- the table in docs/schedules.md ----------------------------------------------------------------------------
+# Unit costs per chunk (T_F = T_I = T_W = 1, activation 1): makespan, bubble ratio, peak chunk-activations on the
+# fullest rank, and the mean and max wait from a chunk's F end to its B/I start.
+DOCS_TABLE = {
+    (4, 8): {
+        ("1f1b", 1): (33.0, 0.273, 4, 5.12, 15.0),
+        ("interleaved-1f1b", 2): (57.0, 0.158, 11, 17.47, 42.0),
+        ("zbv", 2): (51.0, 0.059, 8, 14.62, 37.0),
+        ("v-half", 2): (53.0, 0.094, 6, 7.52, 19.0),
+        ("chronos", 2): (53.0, 0.094, 6, 7.52, 19.0),
+        ("interleaved-1f1b", 4): (105.0, 0.086, 19, 35.73, 82.0),
+        ("chronos", 4): (103.0, 0.068, 12, 15.1, 32.0),
+    },
+    (8, 32): {
+        ("1f1b", 1): (117.0, 0.179, 8, 11.16, 35.0),
+        ("interleaved-1f1b", 2): (213.0, 0.099, 23, 41.42, 102.0),
+        ("zbv", 2): (199.0, 0.035, 16, 38.06, 109.0),
+        ("v-half", 2): (205.0, 0.063, 10, 16.18, 36.0),
+        ("chronos", 2): (205.0, 0.063, 10, 16.18, 36.0),
+        ("interleaved-1f1b", 4): (405.0, 0.052, 39, 83.71, 198.0),
+        ("chronos", 4): (403.0, 0.047, 20, 31.77, 72.0),
+    },
+}
+
+
+def table_row(name: str, v: int, p: int, m: int) -> tuple[float, float, int, float, float]:
+    res = simulate(build_schedule(name, p, m, v), make_costs(p, v, m))
+    waits = activation_lifetimes(res)
+    return (res.makespan_s, round(res.bubble_ratio, 3), int(res.peak_activation_bytes.max()),
+            round(float(waits.mean()), 2), float(waits.max()))  # fmt: skip
+
+
+@pytest.mark.parametrize("p_m", list(DOCS_TABLE))
+def test_docs_table_is_what_the_engine_measures(p_m: tuple[int, int]):
+    for (name, v), row in DOCS_TABLE[p_m].items():
+        assert table_row(name, v, *p_m) == row, (name, v)
