@@ -31,7 +31,7 @@ class PipelineConfig(_Section):
     microbatches: PosInt
     """Microbatches m per step (per pipeline replica)."""
     schedule: str = "1f1b"
-    """A name from sim.schedules (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, ...)."""
+    """A name from sim.schedules: gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, v-half, chronos."""
     virtual_stages: PosInt = 1
     """Model chunks per rank v; interleaved-1f1b and zbv use 2 or more."""
 
