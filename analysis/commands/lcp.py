@@ -3,7 +3,8 @@
     pipeplan lcp build --input rows.npy --out rows.lcp
     pipeplan lcp query rows.lcp --queries q.npy -k 10 [--out hits.csv]
     pipeplan lcp bench [--n 1e4,1e5] [--batch 512] [--out out/lcp-bench]
-    pipeplan lcp bench --n 1e4,1e5,1e6,2e7 --batch 4096 --scan-batch 4 --threads 1 --out out/lcp-20m
+    pipeplan lcp bench --n 1e4,1e5,1e6,5e6,2e7 --batch 4096 --scan-batch 4 --pairwise-max-n 1e5 --threads 1 \
+        --out out/lcp-20m    # the N = 20M run of docs/lcp.md
 
 Inputs: .npy (2-D integer array), .pt (tensor or {"seqs", "lengths"}), or text (one sequence per line).
 """
@@ -115,7 +116,6 @@ def _bench(args: argparse.Namespace) -> int:
 
     from analysis.io import staged_output
     from analysis.lcp_plots import plot_latency, plot_memory
-    from lcp.baselines import memory_budget_bytes
     from lcp.bench import BenchConfig, run_bench
 
     if args.threads:
@@ -132,7 +132,7 @@ def _bench(args: argparse.Namespace) -> int:
     with Progress(*columns, TimeElapsedColumn()) as bar:
         task = bar.add_task("lcp bench", total=len(cfg.ns) * len(cfg.methods))
         df = run_bench(cfg, lambda done, total, what: bar.update(task, completed=done, description=what))
-    budget_bytes = budget or memory_budget_bytes(torch.device(args.device))
+    budget_bytes = df.attrs["pairwise_budget_bytes"]
     with staged_output(args.out) as stage:
         df.to_csv(stage / "bench.csv", index=False)
         plot_latency(df, stage / "latency.png")

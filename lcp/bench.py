@@ -1,0 +1,182 @@
+"""Benchmark sweep: build time, per-query latency, throughput, memory and energy of every method over N.
+
+Data: N random byte rows of `length` tokens (seeded). Queries: a random row's first r tokens (r uniform
+in [0, L]) followed by random tokens, so the answers span every LCP. For each N and method:
+
+* build_s — wall time of `build` (packing only, for the scan and pairwise baselines);
+* p50_ms / p95_ms — per-query latency = (time of one batched `topk` call) / batch, over `repeats` calls;
+* queries_per_s — batch / median call time; index_bytes — what the method holds (pairwise: plus the
+  [batch × N] matrix it materialises, int16); joules_per_query — from NVML / RAPL counters, else empty.
+
+The full scan does O(N) work per query, so it is timed on the first `scan_batch` queries (the CSV's batch
+column says how many). Pairwise materialises the [batch × N] LCP matrix of the whole batch, or refuses
+when it exceeds the memory budget: such a row has the bytes it needed and no timings. Every method's
+answers on the scan's queries are checked against the scan, so only exact results are reported.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from lcp.baselines import FullScan, Pairwise, memory_budget_bytes, pairwise_bytes
+from lcp.energy import EnergyMeter, open_meter
+from lcp.errors import LCPError
+from lcp.index import LCPIndex
+from lcp.tokens import resolve_device
+from lcp.trie import Trie
+
+COLUMNS = [
+    "method", "n", "length", "k", "batch", "build_s", "p50_ms", "p95_ms",
+    "queries_per_s", "index_bytes", "joules_per_query",
+]  # fmt: skip
+METHOD_NAMES = ("index", "scan", "trie", "pairwise")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One sweep. Sizes in rows, lengths in tokens (bytes here), budgets in bytes."""
+
+    ns: tuple[int, ...] = (10_000, 100_000)
+    length: int = 32
+    k: int = 10
+    batch: int = 512  # queries per timed call for the index, the trie and pairwise
+    scan_batch: int = 8  # queries per timed call for the full scan and pairwise (O(N) each)
+    repeats: int = 5  # timed calls per method and N (scan, pairwise: scan_repeats)
+    scan_repeats: int = 2
+    methods: tuple[str, ...] = METHOD_NAMES
+    trie_max_n: int = 1_000_000  # the trie holds O(N·L) nodes: skipped above this N
+    pairwise_max_n: int = 30_000  # pairwise does batch × N work per call: above this N it runs only to refuse
+    pairwise_budget_bytes: int | None = None  # None: half the available memory (90% free on CUDA)
+    device: str = "cpu"
+    seed: int = 0
+    notes: list[str] = field(default_factory=list, compare=False)  # refusals and skips, filled by run
+
+    def __post_init__(self) -> None:
+        unknown = set(self.methods) - set(METHOD_NAMES)
+        if unknown:
+            raise LCPError(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHOD_NAMES)}")
+        if not self.ns or min(self.ns) < 1:
+            raise LCPError(f"ns must be positive row counts, got {self.ns}")
+        for name in ("length", "k", "batch", "scan_batch", "repeats", "scan_repeats"):
+            if getattr(self, name) < 1:
+                raise LCPError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def make_data(n: int, length: int, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [n, length] uint8, queries [batch, length] uint8) with queries sharing random prefixes."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, 256, (n, length), dtype=torch.uint8, generator=g)
+    src = torch.randint(0, n, (batch,), generator=g)
+    keep = torch.randint(0, length + 1, (batch, 1), generator=g) > torch.arange(length)  # (batch, L)
+    noise = torch.randint(0, 256, (batch, length), dtype=torch.uint8, generator=g)
+    return rows, torch.where(keep, rows[src], noise)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - t0
+
+
+def _measure(
+    method: Any, queries: torch.Tensor, k: int, repeats: int, device: torch.device, meter: EnergyMeter | None
+) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, float | None]]:
+    """Time `repeats` batched calls (after one warm-up call); per-query figures."""
+    if not isinstance(method, Pairwise):
+        method.topk(queries[: min(16, len(queries))], k)  # warm-up: allocator, lazy init
+    times = []
+    e0 = meter.joules() if meter else None
+    for _ in range(repeats):
+        out, dt = _timed(lambda: method.topk(queries, k), device)
+        times.append(dt)
+    joules = (meter.joules() - e0) / (repeats * len(queries)) if meter and e0 is not None else None
+    per_query_ms = np.array(times) * 1e3 / len(queries)
+    return out, {
+        "p50_ms": float(np.percentile(per_query_ms, 50)),
+        "p95_ms": float(np.percentile(per_query_ms, 95)),
+        "queries_per_s": len(queries) / float(np.median(times)),
+        "joules_per_query": joules,
+    }
+
+
+def _build(name: str, data: torch.Tensor, device: torch.device, k: int, budget: int) -> Any:
+    if name == "index":
+        return LCPIndex.build(data, device=device)
+    if name == "scan":
+        return FullScan.build(data, device=device)
+    if name == "trie":
+        return Trie.build(data, device=device, k_max=k)
+    return Pairwise.build(data, device=device, budget_bytes=budget)
+
+
+def _check(name: str, got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor]) -> None:
+    m = ref[0].shape[0]
+    if not (torch.equal(got[0][:m].cpu(), ref[0].cpu()) and torch.equal(got[1][:m].cpu(), ref[1].cpu())):
+        raise RuntimeError(f"{name} disagrees with the full scan: the benchmark stops rather than report it")
+
+
+def run_bench(cfg: BenchConfig, progress: Callable[[int, int, str], None] | None = None) -> pd.DataFrame:
+    """Run the sweep; one row per (N, method) that ran or was refused.
+
+    `progress(done, total, what)` is called before each (N, method) step and once more when all are done.
+    """
+    device = resolve_device(cfg.device, torch.device("cpu"))
+    meter = open_meter(device)
+    budget = cfg.pairwise_budget_bytes or memory_budget_bytes(device)
+    rows: list[dict[str, Any]] = []
+    total, done = len(cfg.ns) * len(cfg.methods), 0
+    for n in sorted(cfg.ns):
+        data, queries = make_data(n, cfg.length, cfg.batch, cfg.seed)
+        data, queries = data.to(device), queries.to(device)
+        small = queries[: cfg.scan_batch]
+        reference = None
+        for name in sorted(cfg.methods, key=lambda m: m != "scan"):  # the scan first: the reference
+            base = {"method": name, "n": n, "length": cfg.length, "k": cfg.k}
+            if progress:
+                progress(done, total, f"N={n:,} {name}")
+            done += 1
+            if name == "trie" and n > cfg.trie_max_n:
+                cfg.notes.append(f"trie skipped at N={n} (> trie_max_n={cfg.trie_max_n})")
+                continue
+            fits = pairwise_bytes(len(queries), n, cfg.length) <= budget
+            if name == "pairwise" and fits and n > cfg.pairwise_max_n:  # too slow to run, not refused
+                cfg.notes.append(f"pairwise skipped at N={n} (> pairwise_max_n={cfg.pairwise_max_n})")
+                continue
+            build = functools.partial(_build, name, data, device, cfg.k, budget)
+            method, build_s = _timed(build, device)
+            timed = small if name == "scan" else queries
+            repeats = cfg.scan_repeats if name in ("scan", "pairwise") else cfg.repeats
+            try:
+                out, stats = _measure(method, timed, cfg.k, repeats, device, meter)
+            except LCPError as exc:  # pairwise: the [batch × N] matrix does not fit the budget
+                cfg.notes.append(f"N={n} {name}: {exc}")
+                rows.append({**base, "batch": len(timed), "index_bytes": method.bytes_needed(len(timed))})
+                del method
+                continue
+            if name == "scan":
+                reference = out
+            elif reference is not None:
+                _check(name, out, reference)
+            held = method.nbytes + (method.bytes_needed(len(timed)) if name == "pairwise" else 0)
+            rows.append({**base, "batch": len(timed), "build_s": build_s, **stats, "index_bytes": held})
+            del method
+    if progress:
+        progress(total, total, "done")
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    df.attrs["pairwise_budget_bytes"] = budget  # the budget the refusals were judged against
+    return df

@@ -1,0 +1,120 @@
+"""`pipeplan lcp build | query | bench` end to end, and bad input -> one line on stderr, exit 2, nothing lost."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from analysis.cli import main
+from lcp import LCPIndex
+from lcp.bench import COLUMNS
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensor ops dominate these tests; one thread avoids OpenMP stalls when the other core is busy."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+
+@pytest.fixture
+def rows_npy(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 4, (500, 12), generator=g).to(torch.uint8)
+    path = tmp_path / "rows.npy"
+    np.save(path, rows.numpy())
+    return path, rows
+
+
+def test_help_lists_the_three_commands(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["lcp", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert all(word in out for word in ("build", "query", "bench"))
+
+
+def test_build_then_query_matches_the_library(tmp_path, rows_npy, capsys):
+    path, rows = rows_npy
+    index_path = tmp_path / "rows.lcp"
+    assert main(["lcp", "build", "--input", str(path), "--out", str(index_path)]) == 0
+    assert "indexed 500 rows" in capsys.readouterr().out
+    queries = rows[:7].clone()
+    queries[:, 6:] = 3
+    np.save(tmp_path / "q.npy", queries.numpy())
+    hits = tmp_path / "hits.csv"
+    assert main(["lcp", "query", str(index_path), "--queries", str(tmp_path / "q.npy"), "-k", "5",
+                 "--out", str(hits)]) == 0  # fmt: skip
+    got = pd.read_csv(hits)
+    assert list(got.columns) == ["query", "rank", "id", "lcp"]
+    ids, lcps = LCPIndex.build(rows).topk(queries, 5)
+    assert got["id"].tolist() == ids.flatten().tolist()
+    assert got["lcp"].tolist() == lcps.flatten().tolist()
+    assert got["rank"].tolist() == [1, 2, 3, 4, 5] * 7
+
+
+def test_text_input_has_variable_lengths(tmp_path, capsys):
+    (tmp_path / "words.txt").write_text("banana\nband\nban\nbandana\napple\n")
+    (tmp_path / "q.txt").write_text("bandit\nb\n")
+    assert main(["lcp", "build", "--input", str(tmp_path / "words.txt"), "--out", str(tmp_path / "w.lcp")]) == 0
+    capsys.readouterr()
+    assert main(["lcp", "query", str(tmp_path / "w.lcp"), "--queries", str(tmp_path / "q.txt"), "-k", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    # bandit: band (4), bandana (4), then banana/ban (3) -> smallest id banana; b: everything at 1
+    assert lines == ["query,rank,id,lcp", "0,1,1,4", "0,2,3,4", "0,3,0,3", "1,1,0,1", "1,2,1,1", "1,3,2,1"]
+
+
+def test_bench_writes_csv_plots_and_refuses_pairwise(tmp_path, capsys):
+    out = tmp_path / "bench"
+    argv = ["lcp", "bench", "--n", "300,2000", "--length", "16", "--batch", "64", "--scan-batch", "4",
+            "--repeats", "2", "--scan-repeats", "1", "--pairwise-budget-gib", "0.0001", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert {p.name for p in out.iterdir()} == {"bench.csv", "latency.png", "memory.png", "meta.json"}
+    assert (out / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    df = pd.read_csv(out / "bench.csv")
+    assert list(df.columns) == COLUMNS
+    assert sorted(zip(df["method"], df["n"], strict=True)) == sorted(
+        (m, n) for m in ("index", "scan", "trie", "pairwise") for n in (300, 2000)
+    )
+    ran = df[df["method"] != "pairwise"]
+    assert (ran["p50_ms"] > 0).all() and (ran["p95_ms"] >= ran["p50_ms"]).all() and (ran["build_s"] > 0).all()
+    batch = df.groupby("method")["batch"].unique()
+    assert list(batch["scan"]) == [4] and list(batch["index"]) == [64]  # the scan is timed on fewer queries
+    # 64 × 300 × 2 = 38 400 bytes fit the 107 374-byte budget; 64 × 2000 × 2 = 256 000 do not
+    pw = df[df["method"] == "pairwise"].set_index("n")
+    assert pw.loc[300, "p50_ms"] > 0 and np.isnan(pw.loc[2000, "p50_ms"]) and pw.loc[2000, "index_bytes"] == 256_000
+    assert df["joules_per_query"].isna().all() or (df["joules_per_query"].dropna() > 0).all()
+    assert "pairwise materialisation refused" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["lcp", "build", "--input", "{tmp}/missing.npy", "--out", "{tmp}/x.lcp"], "no such input file"),
+        (["lcp", "build", "--input", "{tmp}/empty.txt", "--out", "{tmp}/x.lcp"], "zero sequences"),
+        (["lcp", "build", "--input", "{tmp}/floats.npy", "--out", "{tmp}/x.lcp"], "dtype torch.float64"),
+        (["lcp", "query", "{tmp}/junk.lcp", "--queries", "{tmp}/empty.txt"], "bad magic"),
+        (["lcp", "query", "{tmp}/good.lcp", "--queries", "{tmp}/q.npy", "-k", "0"], "k must be a positive"),
+        (["lcp", "bench", "--methods", "index,magic", "--out", "{tmp}/b"], "unknown methods"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_loses_nothing(tmp_path, rows_npy, capsys, argv, message):
+    _, rows = rows_npy
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "junk.lcp").write_bytes(b"junk" * 10)
+    np.save(tmp_path / "floats.npy", np.zeros((3, 4)))
+    np.save(tmp_path / "q.npy", rows[:2].numpy())
+    LCPIndex.build(rows).save(tmp_path / "x.lcp")  # an existing index that a failed build must not touch
+    LCPIndex.build(rows).save(tmp_path / "good.lcp")
+    before = (tmp_path / "x.lcp").read_bytes()
+    capsys.readouterr()
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pipeplan lcp: error:") and message in err
+    assert (tmp_path / "x.lcp").read_bytes() == before
+    assert not (tmp_path / "b").exists()

@@ -1,0 +1,177 @@
+"""Bad input to the LCP index raises LCPError with a message that says what is wrong — and loses nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+
+import pytest
+import torch
+
+from lcp import LCPError, LCPIndex
+from lcp.baselines import FullScan, Pairwise
+from lcp.fileformat import MAGIC, write_index_file
+from lcp.trie import Trie
+
+ROWS = torch.tensor([[1, 2, 3], [1, 2, 4], [9, 9, 9]], dtype=torch.uint8)
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensor ops dominate these tests; one thread avoids OpenMP stalls when the other core is busy."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+
+@pytest.fixture
+def index():
+    return LCPIndex.build(ROWS)
+
+
+@pytest.fixture
+def saved(tmp_path, index):
+    path = tmp_path / "rows.lcp"
+    index.save(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "seqs, lengths, message",
+    [
+        (torch.tensor([1, 2, 3]), None, "rank 2"),
+        (torch.zeros((2, 3, 4), dtype=torch.uint8), None, "rank 2"),
+        (torch.zeros((2, 3)), None, "dtype torch.float32"),
+        (torch.zeros((2, 3), dtype=torch.bool), None, "dtype torch.bool"),
+        (torch.zeros((2, 3), dtype=torch.uint64), None, "dtype torch.uint64"),
+        ([[1, 2, 3]], None, "must be a torch.Tensor"),
+        (torch.zeros((0, 3), dtype=torch.uint8), None, "zero sequences"),
+        (ROWS, torch.tensor([3, 3, 4]), r"lengths must lie in \[0, 3\]"),
+        (ROWS, torch.tensor([3, -1, 0]), r"lengths must lie in \[0, 3\]"),
+        (ROWS, torch.tensor([3, 3]), "1-D integer tensor of 3 entries"),
+        (ROWS, torch.tensor([3.0, 3.0, 3.0]), "integer dtype"),
+    ],
+)
+def test_bad_build_input(seqs, lengths, message):
+    for method in (LCPIndex, FullScan, Trie):
+        with pytest.raises(LCPError, match=message):
+            method.build(seqs, lengths)
+
+
+@pytest.mark.parametrize("k", [0, -3, 2.5, "10", True, None])
+def test_bad_k(index, k):
+    with pytest.raises(LCPError, match="k must be a positive integer"):
+        index.topk(ROWS, k)
+
+
+@pytest.mark.parametrize(
+    "queries, query_lengths, message",
+    [
+        (torch.tensor([1, 2, 3], dtype=torch.uint8), None, "queries must have rank 2"),
+        (torch.zeros((2, 3), dtype=torch.float64), None, "queries has dtype torch.float64"),
+        (ROWS, torch.tensor([1, 2, 9]), r"query_lengths must lie in \[0, 3\]"),
+        (ROWS, torch.tensor([[1, 2, 3]]), "query_lengths must be a 1-D"),
+    ],
+)
+def test_bad_queries(index, queries, query_lengths, message):
+    with pytest.raises(LCPError, match=message):
+        index.topk(queries, 2, query_lengths)
+
+
+def test_index_still_answers_after_bad_queries(index):
+    want = index.topk(ROWS, 2)
+    with pytest.raises(LCPError):
+        index.topk(torch.zeros(3), 2)
+    got = index.topk(ROWS, 2)
+    assert torch.equal(got[0], want[0]) and got[0].tolist() == [[0, 1], [1, 0], [2, 0]]
+
+
+def test_roundtrip_then_every_corruption_is_caught(saved):
+    good = saved.read_bytes()
+    assert LCPIndex.load(saved).topk(ROWS, 1)[0].tolist() == [[0], [1], [2]]
+    cases = {
+        "truncated": good[:-5],
+        "trailing bytes": good + b"\0",
+        "payload byte flipped": good[:-3] + bytes([good[-3] ^ 1]) + good[-2:],
+        "header byte flipped": good[:60] + bytes([good[60] ^ 1]) + good[61:],
+        "foreign": b"\x89PNG\r\n\x1a\n" + good[8:],
+        "empty": b"",
+        "future version": good[:8] + struct.pack("<I", 99) + good[12:],
+    }
+    for what, data in cases.items():
+        saved.write_bytes(data)
+        with pytest.raises(LCPError) as info:
+            LCPIndex.load(saved)
+        assert str(saved) in str(info.value), what
+        assert saved.read_bytes() == data, f"{what}: load must not modify the file"
+
+
+def test_valid_checksum_but_not_an_index_is_rejected(tmp_path, index):
+    path = tmp_path / "forged.lcp"
+    meta = {"kind": "lcp-index", "n": 3, "length": 3, "dtype": "uint8"}
+    forged = {
+        "ids are not a permutation": {"words": index.words, "ids": torch.tensor([0, 0, 2], dtype=torch.int32)},
+        "rows are not in sorted order": {"words": index.words.flip(0), "ids": index.ids},
+        "do not match n=3": {"words": index.words[:2], "ids": index.ids},
+    }
+    for message, arrays in forged.items():
+        write_index_file(path, meta, arrays)
+        with pytest.raises(LCPError, match=f"not a valid LCP index.*{message}"):
+            LCPIndex.load(path)
+    write_index_file(path, {**meta, "dtype": "float32"}, {"words": index.words, "ids": index.ids})
+    with pytest.raises(LCPError, match="not a valid LCP index"):
+        LCPIndex.load(path)
+
+
+def test_malformed_header_and_missing_file(tmp_path):
+    header = b"not json"
+    blob = MAGIC + struct.pack("<IIQ", 1, len(header), 0) + hashlib.sha256(header).digest() + header
+    (tmp_path / "bad.lcp").write_bytes(blob)
+    with pytest.raises(LCPError, match="malformed header"):
+        LCPIndex.load(tmp_path / "bad.lcp")
+    with pytest.raises(LCPError, match="cannot read index file"):
+        LCPIndex.load(tmp_path / "missing.lcp")
+    # a pickle is never unpickled: a torch.save file is just a foreign file
+    torch.save({"words": torch.zeros(3)}, tmp_path / "pickle.lcp")
+    with pytest.raises(LCPError, match="bad magic"):
+        LCPIndex.load(tmp_path / "pickle.lcp")
+
+
+def test_failed_save_keeps_the_old_file(saved, index, monkeypatch):
+    before = saved.read_bytes()
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", boom)  # the write fails after the bytes went to the temporary file
+    with pytest.raises(OSError, match="disk full"):
+        LCPIndex.build(ROWS[:2]).save(saved)
+    monkeypatch.undo()
+    assert saved.read_bytes() == before
+    assert [p.name for p in saved.parent.iterdir()] == [saved.name]  # no temporary left behind
+    assert LCPIndex.load(saved).n == 3
+
+
+def test_pairwise_refuses_naming_the_bytes():
+    pairwise = Pairwise.build(ROWS, budget_bytes=10)
+    with pytest.raises(LCPError, match=r"needs 18 bytes .* budget is 10 bytes"):
+        pairwise.topk(ROWS, 2)  # a 3×3 int16 matrix
+    assert Pairwise.build(ROWS, budget_bytes=18).topk(ROWS, 1)[0].tolist() == [[0], [1], [2]]
+
+
+def test_trie_limits():
+    with pytest.raises(LCPError, match="k_max >= 5"):
+        Trie.build(ROWS, k_max=4).topk(ROWS, 5)
+    with pytest.raises(LCPError, match="tokens up to 32 bits"):
+        Trie.build(ROWS.to(torch.int64))
+
+
+def test_unknown_or_absent_device():
+    with pytest.raises(LCPError, match="unknown device 'tpu9'"):
+        LCPIndex.build(ROWS, device="tpu9")
+    if not torch.cuda.is_available():
+        for method in (LCPIndex, FullScan, Trie):
+            with pytest.raises(LCPError, match="CUDA is not available"):
+                method.build(ROWS, device="cuda")
