@@ -67,13 +67,16 @@ class CostTable:
             return float(self.backward_weight_s[s])
         return float(self.backward_input_s[s] + self.backward_weight_s[s])
 
-    def static_bytes_per_rank(self, stage_to_rank: tuple[int, ...]) -> np.ndarray:
-        out = np.zeros(self.ranks)
-        np.add.at(out, np.asarray(stage_to_rank), self.static_bytes)
-        return out
-
     def with_microbatches(self, m: int) -> CostTable:
         return replace(self, microbatches=m)
+
+
+def per_rank_sum(per_chunk: np.ndarray, stage_to_rank: tuple[int, ...] | np.ndarray, n_ranks: int) -> np.ndarray:
+    """Sum a per-chunk array over the chunks each rank holds."""
+    out = np.zeros(n_ranks)
+    if len(per_chunk):
+        np.add.at(out, np.asarray(stage_to_rank), per_chunk)
+    return out
 
 
 def _per_chunk(value: float | list[float], chunks: int) -> np.ndarray:

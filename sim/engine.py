@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from sim.costs import CostTable
+from sim.costs import CostTable, per_rank_sum
 from sim.errors import ScheduleError
 from sim.ir import Action, Kind, Schedule
 from sim.memory import MemoryPlan, keep_everything
@@ -176,12 +176,12 @@ class _StepSimulation:
         self.waiters: dict[int, simpy.Event] = {}
         self.link_free: dict[tuple[int, int], float] = {}
         # memory, per rank and tier
-        self.static = _per_rank(mem.static_hbm_bytes, s2r, n_ranks)
+        self.static = per_rank_sum(mem.static_hbm_bytes, s2r, n_ranks)
         self.kept = [float(mem.kept_bytes[a.stage]) for a in self.actions]
         self.transient = mem.transient_bytes
         self.live = np.zeros(n_ranks)
-        self.dram = _per_rank(mem.static_host_bytes.get("dram", np.zeros(0)), s2r, n_ranks)
-        self.nvme = _per_rank(mem.static_host_bytes.get("nvme", np.zeros(0)), s2r, n_ranks)
+        self.dram = per_rank_sum(mem.static_host_bytes.get("dram", np.zeros(0)), s2r, n_ranks)
+        self.nvme = per_rank_sum(mem.static_host_bytes.get("nvme", np.zeros(0)), s2r, n_ranks)
         self.peak_act = np.zeros(n_ranks)
         self.peak_hbm = self.static.copy()
         self.peak_dram, self.peak_nvme = self.dram.copy(), self.nvme.copy()
@@ -410,9 +410,3 @@ class _StepSimulation:
 
 BACKWARDS = (Kind.B, Kind.I)
 
-
-def _per_rank(per_chunk: np.ndarray, stage_to_rank: tuple[int, ...], n_ranks: int) -> np.ndarray:
-    out = np.zeros(n_ranks)
-    if len(per_chunk):
-        np.add.at(out, np.asarray(stage_to_rank), per_chunk)
-    return out

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim.config import FreezeConfig, Scenario
-from sim.costs import CostTable
+from sim.costs import CostTable, per_rank_sum
 from sim.engine import SimResult, simulate
 from sim.ir import Action, Kind, Schedule
 from sim.memory import MemoryPlan, activation_arrays, with_states
@@ -263,10 +263,8 @@ def _solve(sc, costs, schedule, base: MemoryPlan, lookahead, slowdown, limit, al
 
     # HBM at every distinct position
     pos = _positions(schedule, lookahead)
-    static_r = np.zeros(n_r)
-    np.add.at(static_r, s2r, base.static_hbm_bytes)
-    hs_r = np.zeros(n_r)
-    np.add.at(hs_r, s2r, host_states)
+    static_r = per_rank_sum(base.static_hbm_bytes, s2r, n_r)
+    hs_r = per_rank_sum(host_states, s2r, n_r)
     for p in range(len(pos.rank)):
         r = pos.rank[p]
         N, R = pos.inflight[p], pos.resident[p]
