@@ -85,15 +85,17 @@ def evaluate(scenario: str | None, overrides: dict[str, Any], plan_freeze: bool)
     return row
 
 
-def _freeze_speedup(sc, makespan_s: float) -> float:
-    from sim.costs import build_cost_table
-    from sim.step import resolve_schedule
-    from solver.freeze_dag import build_freeze_dag
-    from solver.freeze_lp import solve_freeze_lp
+def _freeze_speedup(sc, makespan_s: float) -> float | None:
+    """Step-time ratio unfrozen / freeze-planned at the scenario's cap; None where the planner cannot time
+    the memory policy (offload)."""
+    from solver.errors import FreezeInputError
+    from solver.plan import plan_scenario
 
-    dag = build_freeze_dag(resolve_schedule(sc), build_cost_table(sc), sc.freeze)
-    sol = solve_freeze_lp(dag, sc.freeze.cap, sc.freeze.max_ratio)
-    return makespan_s / sol.makespan_s if sol.makespan_s > 0 else 1.0
+    try:
+        plan = plan_scenario(sc, baselines=False)
+    except FreezeInputError:
+        return None
+    return plan.baseline.makespan_s / plan.solution.makespan_s if plan.solution.makespan_s > 0 else 1.0
 
 
 def load_rows(path: Path, columns: list[str]) -> pd.DataFrame:

@@ -7,6 +7,7 @@ resolve to one `CostTable` (sim/costs.py), so everything downstream is form-agno
 
 from __future__ import annotations
 
+import itertools
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -140,7 +141,7 @@ FreezeCurve = Annotated[list[CurvePoint], Field(min_length=2)]
 
 
 class FreezeConfig(_Section):
-    """Freeze planning (`pipeplan plan`): what freezing may do, and what it saves (see docs/freeze-planner.md).
+    """Freeze planning (`pipeplan plan`): what freezing may do and what it saves (docs/freeze-planner.md).
 
     An action's freeze ratio r in [0, 1] is the share of its weight-gradient work skipped; its duration falls
     from w_max (unfrozen) to w_min (fully frozen), linearly unless `curve` is given.
@@ -180,23 +181,22 @@ class FreezeConfig(_Section):
 
 
 def _check_freeze_curve(where: str, pts: list[list[float]]) -> None:
-    """time(r) must run from (0, 1) to (1, 0), never rise, and be convex: the LP takes it as a max of lines."""
-    xs = [p[0] for p in pts]
-    ys = [p[1] for p in pts]
-    if (xs[0], ys[0]) != (0.0, 1.0) or (xs[-1], ys[-1]) != (1.0, 0.0):
+    """time(r) runs from (0, 1) to (1, 0), never rises, and is convex: the LP takes it as a max of lines."""
+    if (tuple(pts[0]), tuple(pts[-1])) != ((0.0, 1.0), (1.0, 0.0)):
         raise ValueError(
             f"{where}: must start at [0, 1] and end at [1, 0] (ratio, share of w_max - w_min still spent); "
             f"got {pts[0]} ... {pts[-1]}"
         )
-    if any(b <= a for a, b in zip(xs, xs[1:], strict=False)):
-        raise ValueError(f"{where}: ratios must increase strictly from point to point; got {xs}")
-    slopes = [(y1 - y0) / (x1 - x0) for x0, y0, x1, y1 in zip(xs, ys, xs[1:], ys[1:], strict=False)]
+    if any(b[0] <= a[0] for a, b in itertools.pairwise(pts)):
+        ratios = [p[0] for p in pts]
+        raise ValueError(f"{where}: ratios must increase strictly from point to point; got {ratios}")
+    slopes = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in itertools.pairwise(pts)]
     if any(s > 0 for s in slopes):
         raise ValueError(f"{where}: time(r) rises between some points; freezing more must never take longer")
-    if any(s1 < s0 - 1e-12 for s0, s1 in zip(slopes, slopes[1:], strict=False)):
-        k = next(i for i, (s0, s1) in enumerate(zip(slopes, slopes[1:], strict=False)) if s1 < s0 - 1e-12)
+    bend = next((k for k, (s0, s1) in enumerate(itertools.pairwise(slopes)) if s1 < s0 - 1e-12), None)
+    if bend is not None:
         raise ValueError(
-            f"{where}: time(r) is not convex at point {pts[k + 1]} (slopes must not decrease); "
+            f"{where}: time(r) is not convex at point {pts[bend + 1]} (slopes must not decrease); "
             f"the LP models time(r) as the maximum of its segments"
         )
 

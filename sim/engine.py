@@ -116,8 +116,8 @@ def simulate(
     durations: Mapping[Action, float] | None = None,
     memory: MemoryPlan | None = None,
 ) -> SimResult:
-    """Run one training step of `schedule` under `costs`; `durations` overrides single actions' times and
-    `memory` the activation/state policy (default: keep everything in HBM)."""
+    """Run one training step of `schedule` under `costs`; `durations` overrides single actions' whole times
+    (recomputation included) and `memory` sets the activation/state policy (default: keep everything)."""
     t0 = time.perf_counter()
     result = _StepSimulation(schedule, costs, durations or {}, memory or keep_everything(costs)).run()
     result.sim_wall_s = time.perf_counter() - t0
@@ -144,8 +144,10 @@ class _StepSimulation:
             (a.stage, a.microbatch): i for i, a in enumerate(self.actions) if a.kind in (Kind.B, Kind.I)
         }
         n = len(self.actions)
+        # an override is the action's whole duration (a freeze plan's already includes any recomputation)
         self.duration = [
-            overrides.get(a, costs.duration(a)) + (float(mem.recompute_s[a.stage]) if a.kind in BACKWARDS else 0.0)
+            overrides[a] if a in overrides
+            else costs.duration(a) + (float(mem.recompute_s[a.stage]) if a.kind in BACKWARDS else 0.0)
             for a in self.actions
         ]
         # deps[i]: (producer j, True if j's output crosses stages and so arrives at arrive[j])

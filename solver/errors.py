@@ -4,7 +4,7 @@ from sim.errors import PipeplanError
 
 
 class FreezeInputError(PipeplanError):
-    """Freeze settings that contradict the cost table, e.g. a fully frozen action slower than an unfrozen one."""
+    """Freeze settings that contradict the costs or the rest of the scenario (w_min > w_max, ...)."""
 
 
 class SolverError(PipeplanError):

@@ -56,6 +56,60 @@ class FreezeDag:
     def freezable_stage(self) -> np.ndarray:
         return np.fromiter((self.actions[i].stage for i in self.freezable), np.int64, len(self.freezable))
 
+    def node_durations(self, ratio: np.ndarray) -> np.ndarray:
+        """(n_nodes,) every node's duration at freeze ratios `ratio` (aligned with `freezable`)."""
+        dur = self.w_max.copy()
+        dur[self.freezable] = self.durations(ratio)
+        return dur
+
+    def earliest_starts(self, duration: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """ASAP start of every node and the in-edge that sets it (-1 for none), in topological order, as
+        the engine runs it; None if the graph has a cycle (the schedule deadlocks)."""
+        n = self.n_nodes
+        order = np.argsort(self.edge_u, kind="stable")  # out-edges of each node, contiguous
+        heads = np.searchsorted(self.edge_u[order], np.arange(n + 1)).tolist()
+        edge_ids, dst, delay = order.tolist(), self.edge_v[order].tolist(), self.edge_delay[order].tolist()
+        dur = duration.tolist()
+        start_l, tight_l = [0.0] * n, [-1] * n
+        indeg_l = np.bincount(self.edge_v, minlength=n).tolist()
+        ready = [i for i in range(n) if indeg_l[i] == 0]
+        seen = 0
+        while ready:
+            u = ready.pop()
+            seen += 1
+            finish = start_l[u] + dur[u]
+            for k in range(heads[u], heads[u + 1]):
+                v, at = dst[k], finish + delay[k]
+                if tight_l[v] < 0 or at > start_l[v]:
+                    start_l[v], tight_l[v] = at, edge_ids[k]
+                indeg_l[v] -= 1
+                if indeg_l[v] == 0:
+                    ready.append(v)
+        if seen < n:
+            return None
+        return np.asarray(start_l), np.asarray(tight_l, dtype=np.int64)
+
+    def latest_finishes(self, duration: np.ndarray, makespan: float) -> np.ndarray:
+        """ALAP finish of every node for a step that must end by `makespan` (the graph must be acyclic)."""
+        n = self.n_nodes
+        order = np.argsort(self.edge_v, kind="stable")  # in-edges of each node, contiguous
+        heads = np.searchsorted(self.edge_v[order], np.arange(n + 1)).tolist()
+        src, delay = self.edge_u[order].tolist(), self.edge_delay[order].tolist()
+        dur = duration.tolist()
+        latest = [float(makespan)] * n
+        outdeg = np.bincount(self.edge_u, minlength=n).tolist()
+        ready = [i for i in range(n) if outdeg[i] == 0]
+        while ready:
+            v = ready.pop()
+            begin = latest[v] - dur[v]
+            for k in range(heads[v], heads[v + 1]):
+                u = src[k]
+                latest[u] = min(latest[u], begin - delay[k])
+                outdeg[u] -= 1
+                if outdeg[u] == 0:
+                    ready.append(u)
+        return np.asarray(latest)
+
     def durations(self, ratio: np.ndarray) -> np.ndarray:
         """(n_freezable,) durations at freeze ratios `ratio`: linear, or through each chunk's curve."""
         lo, hi = self.w_min[self.freezable], self.w_max[self.freezable]
@@ -72,7 +126,9 @@ def freeze_bounds(costs: CostTable, freeze: FreezeConfig) -> tuple[np.ndarray, n
     """Per chunk, the fully frozen B and W durations; FreezeInputError if one exceeds the unfrozen time."""
     chunks = costs.num_chunks
     b_max = costs.backward_input_s + costs.backward_weight_s
-    b_min = costs.backward_input_s if freeze.backward_min_s is None else _per_chunk(freeze.backward_min_s, chunks)
+    b_min = (
+        costs.backward_input_s if freeze.backward_min_s is None else _per_chunk(freeze.backward_min_s, chunks)
+    )
     w_min = np.zeros(chunks) if freeze.weight_min_s is None else _per_chunk(freeze.weight_min_s, chunks)
     for key, lo, hi, unfrozen in (
         ("backward_min_s", b_min, b_max, "backward_input_s + backward_weight_s"),
@@ -88,7 +144,10 @@ def freeze_bounds(costs: CostTable, freeze: FreezeConfig) -> tuple[np.ndarray, n
     return b_min, w_min
 
 
-def build_freeze_dag(schedule: Schedule, costs: CostTable, freeze: FreezeConfig) -> FreezeDag:
+def build_freeze_dag(
+    schedule: Schedule, costs: CostTable, freeze: FreezeConfig, recompute_s: np.ndarray | None = None
+) -> FreezeDag:
+    """The step's DAG as arrays; `recompute_s` (per chunk) lengthens every B and I, frozen or not."""
     chunks = costs.num_chunks
     b_min, wt_min = freeze_bounds(costs, freeze)
     curves = freeze.curves(chunks)
@@ -107,6 +166,11 @@ def build_freeze_dag(schedule: Schedule, costs: CostTable, freeze: FreezeConfig)
     for i in freezable:
         a = actions[i]
         w_min[i] = b_min[a.stage] if a.kind is Kind.B else wt_min[a.stage]
+    if recompute_s is not None and recompute_s.any():
+        extra = np.fromiter((recompute_s[a.stage] if a.kind in (Kind.B, Kind.I) else 0.0 for a in actions),
+                            np.float64, len(actions))
+        w_max += extra
+        w_min += extra
 
     us, vs, ds = [], [], []
     for u, v, delay in g.edges(data="delay"):
@@ -123,16 +187,22 @@ def build_freeze_dag(schedule: Schedule, costs: CostTable, freeze: FreezeConfig)
 
     cross = rank_of[edge_u] != rank_of[edge_v]
     link_nodes = 0
-    if costs.p2p_s > 0 and cross.any() and _links_can_queue(edge_u[cross], edge_v[cross], rank_of, w_min, costs.p2p_s):
+    if (
+        costs.p2p_s > 0
+        and cross.any()
+        and _links_can_queue(edge_u[cross], edge_v[cross], rank_of, w_min, costs.p2p_s)
+    ):
         edge_u, edge_v, edge_delay, w_max, w_min, link_nodes = _with_link_nodes(
             edge_u, edge_v, edge_delay, cross, rank_of, w_max, w_min, costs.p2p_s
         )
-    return FreezeDag(schedule, actions, w_max, w_min, freezable, edge_u, edge_v, edge_delay, sinks, curves,
-                     link_nodes)
+    return FreezeDag(
+        schedule, actions, w_max, w_min, freezable, edge_u, edge_v, edge_delay, sinks, curves, link_nodes
+    )
 
 
-def _links_can_queue(edge_u: np.ndarray, edge_v: np.ndarray, rank_of: np.ndarray, w_min: np.ndarray,
-                     p2p_s: float) -> bool:
+def _links_can_queue(
+    edge_u: np.ndarray, edge_v: np.ndarray, rank_of: np.ndarray, w_min: np.ndarray, p2p_s: float
+) -> bool:
     """Can a transfer ever wait for the previous one on its link? Sends a < b on one link finish at least
     the fully frozen durations of actions a+1..b apart; no wait is possible when every such gap >= p2p_s."""
     prefix = np.concatenate([[0.0], np.cumsum(w_min)])  # prefix[i] = sum of w_min[:i]

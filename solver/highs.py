@@ -20,6 +20,7 @@ import numpy as np
 
 from solver.errors import InfeasibleError, SolverError
 
+AT_LOWER, BASIC, AT_UPPER = 0, 1, 2  # basis states for `LinearProgram.set_basis`
 _banner_silenced = False
 
 
@@ -63,7 +64,9 @@ class LinearProgram:
         self.num_columns = 0
         self.num_rows = 0
 
-    def add_variables(self, n: int, lb: float | np.ndarray = 0.0, ub: float | np.ndarray = np.inf) -> np.ndarray:
+    def add_variables(
+        self, n: int, lb: float | np.ndarray = 0.0, ub: float | np.ndarray = np.inf
+    ) -> np.ndarray:
         """Add n columns; returns their indices (int32), to be shaped like the problem by the caller."""
         if n == 0:
             return np.empty(0, dtype=np.int32)
@@ -108,12 +111,35 @@ class LinearProgram:
         self.num_rows += k
         return idx
 
+    def set_basis(self, col_state: np.ndarray, row_state: np.ndarray) -> None:
+        """Start the next solve from this basis (AT_LOWER / BASIC / AT_UPPER per column and row).
+
+        A basis the caller knows to be dual feasible lets the dual simplex skip its phase 1; HiGHS rejects
+        a singular or miscounted one with an error, which is a bug in the caller.
+        """
+        status = [
+            highspy.HighsBasisStatus.kLower,
+            highspy.HighsBasisStatus.kBasic,
+            highspy.HighsBasisStatus.kUpper,
+        ]
+        basis = highspy.HighsBasis()
+        basis.col_status = [status[k] for k in np.asarray(col_state).tolist()]
+        basis.row_status = [status[k] for k in np.asarray(row_state).tolist()]
+        basis.valid = True
+        if self._h.setBasis(basis) == highspy.HighsStatus.kError:
+            raise SolverError(f"{self.name}: HiGHS rejected the starting basis")
+
     def set_upper_bound(self, col: int, ub: float) -> None:
         lb = float(self._h.getLp().col_lower_[col])
         self._h.changeColBounds(int(col), lb, float(ub))
 
-    def minimize(self, cols: np.ndarray, costs: np.ndarray | float, what: str,
-                 options: dict[str, float | int | str | bool] | None = None) -> LPSolution:
+    def minimize(
+        self,
+        cols: np.ndarray,
+        costs: np.ndarray | float,
+        what: str,
+        options: dict[str, float | int | str | bool] | None = None,
+    ) -> LPSolution:
         """Minimise sum(costs * x[cols]) (every other column costs 0); `what` names the solve in errors.
 
         HiGHS keeps the basis of the previous solve, so a second objective on the same model starts warm.
@@ -139,7 +165,9 @@ class LinearProgram:
         reason = h.modelStatusToString(model_status)
         if model_status == highspy.HighsModelStatus.kInfeasible:
             raise InfeasibleError(f"{self.name}: {what} is infeasible (HiGHS: {reason})")
-        raise SolverError(f"{self.name}: {what} ended without an optimum (HiGHS: {reason}; run: {run_status.name})")
+        raise SolverError(
+            f"{self.name}: {what} ended without an optimum (HiGHS: {reason}; run: {run_status.name})"
+        )
 
     def set_integer(self, cols: np.ndarray) -> None:
         """Make columns integer (the model becomes a MILP; `minimize` then runs branch and bound)."""

@@ -1,10 +1,259 @@
-"""`pipeplan plan`: placeholder registered until the freeze planner lands."""
+"""`pipeplan plan`: freeze ratios per action from the TimelyFreeze LP, verified by the simulator.
+
+    pipeplan plan                                   # the built-in 8B scenario at its [freeze] cap (0.9)
+    pipeplan plan scenarios/explicit-unit.toml --cap 0.5 --out out/plan-unit
+    pipeplan plan --sweep-cap --out out/plan-sweep  # cap 0..0.9 x gpipe, 1f1b, interleaved-1f1b, zbv
+
+Writes plan.json, freeze.csv, baselines.csv, freeze_heatmap.png, gantt_before.png, gantt_after.png and every
+`simulate` output of the planned step; with --sweep-cap, sweep.csv and sweep.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from rich.table import Table
+
+from analysis.commands.simulate import add_scenario_argument, scenario_overrides
+from analysis.console import console
+from analysis.freeze_plots import freeze_heatmap, sweep_plot
+from analysis.io import atomic_write_json, atomic_write_text, staged_output
+from analysis.outputs import write_simulation
+from analysis.plots import gantt
+from analysis.trace import timeline_frame
+from sim.config import load_scenario
+from solver.freeze_lp import MAKESPAN_ABS_TOL, MAKESPAN_REL_TOL
+from solver.plan import SWEEP_SCHEDULES, FreezePlan, plan_scenario, sweep_caps
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_scenario_argument(parser)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--cap", type=float, help="override freeze.cap: the largest mean freeze ratio per stage"
+    )
+    mode.add_argument(
+        "--sweep-cap",
+        action="store_true",
+        help="sweep cap 0..0.9 for gpipe, 1f1b, interleaved-1f1b and zbv (or --schedule only)",
+    )
+    order = parser.add_mutually_exclusive_group()
+    order.add_argument(
+        "--schedule", help="override pipeline.schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv)"
+    )
+    order.add_argument(
+        "--schedule-csv", help="plan this action order (torch action-string CSV, one row per rank)"
+    )
+    parser.add_argument(
+        "--virtual-stages", type=int, help="override pipeline.virtual_stages (chunks per rank)"
+    )
+    parser.add_argument("--out", default=None, help="output folder (default: out/plan, or out/plan-sweep)")
 
-def add_arguments(parser):
-    pass
+
+def run(args: argparse.Namespace) -> int:
+    if args.sweep_cap:
+        return _run_sweep(args)
+    overrides: dict[str, Any] = scenario_overrides(args)
+    if args.cap is not None:
+        overrides["freeze.cap"] = args.cap
+    scenario = load_scenario(args.scenario, overrides)
+    plan = plan_scenario(scenario, args.schedule_csv)
+    out = args.out or "out/plan"
+    with staged_output(out) as stage:
+        summary = write_plan(plan, stage, scenario_name=str(args.scenario or "llama3-8b-pp4-h100 (default)"))
+    print_plan(summary)
+    print(
+        f"wrote {out}/: plan.json freeze.csv baselines.csv freeze_heatmap.png gantt_before.png "
+        "gantt_after.png "
+        "+ simulate outputs of the planned step"
+    )
+    return 0
 
 
-def run(args):
-    raise NotImplementedError
+def write_plan(plan: FreezePlan, folder: Path, scenario_name: str = "") -> dict[str, Any]:
+    """Every output of one plan; returns plan.json's content."""
+    sched, sol = plan.schedule, plan.solution
+    size = f"p={sched.num_ranks} m={sched.num_microbatches} v={sched.virtual_stages}"
+    title = f"{sched.name}: {size}, cap {plan.cap:g}"
+    actions = plan.actions_table()
+    summary: dict[str, Any] = {
+        "scenario": scenario_name,
+        "schedule": sched.name,
+        "stages": sched.num_ranks,
+        "virtual_stages": sched.virtual_stages,
+        "microbatches": sched.num_microbatches,
+        "cap": plan.cap,
+        "max_ratio": plan.freeze.max_ratio,
+        "time_model": "curve" if plan.dag.curves is not None else "linear",
+        "baseline_makespan_s": plan.baseline.makespan_s,
+        "planned_makespan_s": sol.makespan_s,
+        "simulated_makespan_s": plan.planned.makespan_s,
+        "speedup": plan.speedup,
+        "throughput_gain": plan.speedup - 1,
+        "solve_wall_s": sol.wall_s,
+        "mean_freeze_ratio": plan.mean_ratio,
+        "stage_mean_freeze_ratio": plan.stage_mean_ratio(),
+        "gain_per_freeze": plan.gain_per_freeze,
+        "bubble_ratio_before": plan.baseline.bubble_ratio,
+        "bubble_ratio_after": plan.planned.bubble_ratio,
+        "lp": {
+            "build_s": sol.build_s,
+            "solve_s": sol.solve_s,
+            "rows": sol.rows,
+            "columns": sol.columns,
+            "simplex_iterations": list(sol.iterations),
+            "link_transfer_nodes": plan.dag.link_nodes,
+            "stage2_makespan_tolerance": {
+                "relative": MAKESPAN_REL_TOL,
+                "absolute_s": MAKESPAN_ABS_TOL * float(plan.dag.w_max.max()),
+            },
+        },
+        "baselines": [
+            {
+                "name": b.name,
+                "mean_freeze_ratio": b.mean_ratio,
+                "makespan_s": b.makespan_s,
+                "speedup": b.speedup,
+                "gain_per_freeze": b.gain_per_freeze,
+            }
+            for b in plan.baselines
+        ],
+        "uniform_at_cap": None
+        if plan.uniform_at_cap is None
+        else {
+            "mean_freeze_ratio": plan.uniform_at_cap.mean_ratio,
+            "makespan_s": plan.uniform_at_cap.makespan_s,
+            "speedup": plan.uniform_at_cap.speedup,
+            "gain_per_freeze": plan.uniform_at_cap.gain_per_freeze,
+        },
+        "uniform_ratio_to_match": plan.uniform_ratio_to_match,
+    }
+    if plan.baseline.tokens_per_s is not None:
+        summary["tokens_per_s_before"] = plan.baseline.tokens_per_s
+        summary["tokens_per_s_after"] = plan.planned.tokens_per_s
+    summary["actions"] = actions
+
+    atomic_write_json(folder / "plan.json", summary)
+    frame = pd.DataFrame(actions)
+    frame.insert(0, "rank", [sched.stage_to_rank[s] for s in frame["stage"]])
+    frame["unfrozen_s"] = plan.dag.w_max[: plan.dag.n_actions]
+    frame["fully_frozen_s"] = plan.dag.w_min[: plan.dag.n_actions]
+    atomic_write_text(folder / "freeze.csv", frame.to_csv(index=False))
+    atomic_write_text(
+        folder / "baselines.csv",
+        pd.DataFrame(
+            [
+                {
+                    "name": "lp-plan",
+                    "mean_freeze_ratio": plan.mean_ratio,
+                    "makespan_s": plan.planned.makespan_s,
+                    "speedup": plan.speedup,
+                    "gain_per_freeze": plan.gain_per_freeze,
+                }
+            ]
+            + summary["baselines"]
+        ).to_csv(index=False),
+    )
+    freeze_heatmap(ratio_matrix(plan), folder / "freeze_heatmap.png", f"freeze ratio - {title}")
+    gantt(timeline_frame(plan.baseline), folder / "gantt_before.png", f"before freezing - {title}")
+    extra = {
+        "freeze_plan": "plan.json",
+        "baseline_makespan_s": plan.baseline.makespan_s,
+        "speedup": plan.speedup,
+    }
+    write_simulation(plan.planned, folder, f"planned - {title}", extra)
+    shutil.copyfile(folder / "gantt.png", folder / "gantt_after.png")
+    return summary
+
+
+def ratio_matrix(plan: FreezePlan) -> np.ndarray:
+    """(stages, microbatches) ratio of each stage's freezable action (B, or W when backward is split)."""
+    out = np.zeros((plan.schedule.num_stages, plan.schedule.num_microbatches))
+    for i, r in zip(plan.dag.freezable, plan.solution.ratio, strict=True):
+        a = plan.dag.actions[i]
+        out[a.stage, a.microbatch] = r
+    return out
+
+
+def print_plan(s: dict[str, Any]) -> None:
+    title = (
+        f"{s['schedule']}: p={s['stages']} m={s['microbatches']} v={s['virtual_stages']}, cap {s['cap']:g}"
+    )
+    t = Table(title=f"freeze plan - {title}", header_style="bold")
+    for col in ("policy", "mean freeze ratio", "makespan (s)", "speedup", "gain per unit freeze"):
+        t.add_column(col, justify="right")
+    gain = s["gain_per_freeze"]
+    t.add_row("none", "0", f"{s['baseline_makespan_s']:.6g}", "1.000", "-")
+    t.add_row(
+        "[bold]LP plan[/]",
+        f"{s['mean_freeze_ratio']:.3f}",
+        f"{s['simulated_makespan_s']:.6g}",
+        f"{s['speedup']:.3f}",
+        "-" if gain is None else f"{gain:.3f}",
+    )
+    rows = [
+        *s["baselines"],
+        *([{"name": "uniform at cap", **s["uniform_at_cap"]}] if s["uniform_at_cap"] else []),
+    ]
+    for b in rows:
+        g = b["gain_per_freeze"]
+        t.add_row(
+            b["name"],
+            f"{b['mean_freeze_ratio']:.3f}",
+            f"{b['makespan_s']:.6g}",
+            f"{b['speedup']:.3f}",
+            "-" if g is None else f"{g:.3f}",
+        )
+    console.print(t)
+    match = s["uniform_ratio_to_match"]
+    console.print(
+        f"LP {s['planned_makespan_s']:.9g} s = simulated {s['simulated_makespan_s']:.9g} s · "
+        f"throughput +{s['throughput_gain']:.1%} · LP build+solve {s['solve_wall_s'] * 1e3:.0f} ms · "
+        "uniform freezing "
+        + (
+            "cannot match the plan within the cap"
+            if match is None
+            else f"needs r = {match:.3f} to match the plan"
+        )
+    )
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    overrides = {k: v for k, v in scenario_overrides(args).items() if k != "pipeline.schedule"}
+    schedules = dict(SWEEP_SCHEDULES)
+    if args.schedule:
+        schedules = {args.schedule: args.virtual_stages or SWEEP_SCHEDULES.get(args.schedule, 1)}
+    overrides.pop("pipeline.virtual_stages", None)
+    caps = [round(0.1 * k, 1) for k in range(10)]
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("plan --sweep-cap", total=len(schedules) * len(caps))
+        rows = sweep_caps(
+            args.scenario,
+            overrides,
+            schedules,
+            caps,
+            on_step=lambda name, cap: progress.update(task, advance=1, description=f"{name} cap {cap}"),
+        )
+    sweep = pd.DataFrame(rows)
+    out = args.out or "out/plan-sweep"
+    with staged_output(out) as stage:
+        atomic_write_text(stage / "sweep.csv", sweep.to_csv(index=False))
+        sweep_plot(
+            sweep, stage / "sweep.png", f"LP-planned speedup vs cap - {args.scenario or 'llama3-8b-pp4-h100'}"
+        )
+    t = Table(title="speedup per schedule and cap (LP plan, verified by simulation)", header_style="bold")
+    t.add_column("schedule")
+    for cap in caps:
+        t.add_column(f"{cap:g}", justify="right")
+    for name, g in sweep.groupby("schedule", sort=False):
+        t.add_row(name, *(f"{x:.3f}" for x in g["speedup"]))
+    console.print(t)
+    print(f"wrote {out}/: sweep.csv sweep.png")
+    return 0
