@@ -20,6 +20,7 @@ the optimizer step's copies after each chunk's last backward.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -119,7 +120,15 @@ def simulate(
     """Run one training step of `schedule` under `costs`; `durations` overrides single actions' whole times
     (recomputation included) and `memory` sets the activation/state policy (default: keep everything)."""
     t0 = time.perf_counter()
-    result = _StepSimulation(schedule, costs, durations or {}, memory or keep_everything(costs)).run()
+    # the step allocates ~10 small objects per action and frees none until the end: pausing the cyclic
+    # collector keeps its repeated full scans (quadratic in the step's size) off the clock
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        result = _StepSimulation(schedule, costs, durations or {}, memory or keep_everything(costs)).run()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     result.sim_wall_s = time.perf_counter() - t0
     return result
 
@@ -178,17 +187,19 @@ class _StepSimulation:
         self.waiters: dict[int, simpy.Event] = {}
         self.link_free: dict[tuple[int, int], float] = {}
         # memory, per rank and tier
-        self.static = per_rank_sum(mem.static_hbm_bytes, s2r, n_ranks)
+        # per-rank counters are Python lists: the hot path touches them once per action, and list items
+        # are several times cheaper to read and update than NumPy scalars
+        self.static = per_rank_sum(mem.static_hbm_bytes, s2r, n_ranks).tolist()
         self.kept = [float(mem.kept_bytes[a.stage]) for a in self.actions]
-        self.transient = mem.transient_bytes
-        self.live = np.zeros(n_ranks)
-        self.dram = per_rank_sum(mem.static_host_bytes.get("dram", np.zeros(0)), s2r, n_ranks)
-        self.nvme = per_rank_sum(mem.static_host_bytes.get("nvme", np.zeros(0)), s2r, n_ranks)
-        self.peak_act = np.zeros(n_ranks)
-        self.peak_hbm = self.static.copy()
-        self.peak_dram, self.peak_nvme = self.dram.copy(), self.nvme.copy()
-        self.busy = np.zeros(n_ranks)
-        self.stall = np.zeros(n_ranks)
+        self.transient = mem.transient_bytes.tolist()
+        self.live = [0.0] * n_ranks
+        self.dram = per_rank_sum(mem.static_host_bytes.get("dram", np.zeros(0)), s2r, n_ranks).tolist()
+        self.nvme = per_rank_sum(mem.static_host_bytes.get("nvme", np.zeros(0)), s2r, n_ranks).tolist()
+        self.peak_act = [0.0] * n_ranks
+        self.peak_hbm = list(self.static)
+        self.peak_dram, self.peak_nvme = list(self.dram), list(self.nvme)
+        self.busy = [0.0] * n_ranks
+        self.stall = [0.0] * n_ranks
         self.progress = [0] * n_ranks
         self.memory: list[tuple] = []
         for r in range(n_ranks):
@@ -209,12 +220,15 @@ class _StepSimulation:
 
     # ---- memory ------------------------------------------------------------------------------------------
     def _record(self, rank: int, at: float) -> None:
-        hbm = self.static[rank] + self.live[rank]
-        self.memory.append((rank, at, float(hbm), float(self.static[rank]), float(self.live[rank]),
-                            float(self.dram[rank]), float(self.nvme[rank])))
-        self.peak_hbm[rank] = max(self.peak_hbm[rank], hbm)
-        self.peak_dram[rank] = max(self.peak_dram[rank], self.dram[rank])
-        self.peak_nvme[rank] = max(self.peak_nvme[rank], self.nvme[rank])
+        static, live, dram, nvme = self.static[rank], self.live[rank], self.dram[rank], self.nvme[rank]
+        hbm = static + live
+        self.memory.append((rank, at, hbm, static, live, dram, nvme))
+        if hbm > self.peak_hbm[rank]:
+            self.peak_hbm[rank] = hbm
+        if dram > self.peak_dram[rank]:
+            self.peak_dram[rank] = dram
+        if nvme > self.peak_nvme[rank]:
+            self.peak_nvme[rank] = nvme
 
     def _allocate(self, rank: int, delta: float, at: float, i: int) -> None:
         self.live[rank] += delta
@@ -386,16 +400,16 @@ class _StepSimulation:
             kind=[a.kind.value for a in acts],
             start_s=np.asarray([self.start[i] for i in order]),
             end_s=np.asarray([self.end[i] for i in order]),
-            busy_s=self.busy,
-            peak_activation_bytes=self.peak_act,
-            peak_hbm_bytes=self.peak_hbm,
-            static_bytes=self.static,
+            busy_s=np.asarray(self.busy),
+            peak_activation_bytes=np.asarray(self.peak_act),
+            peak_hbm_bytes=np.asarray(self.peak_hbm),
+            static_bytes=np.asarray(self.static),
             memory=self.memory,
             transfers=self.transfers,
             oom_events=self.oom,
-            stall_s=self.stall,
-            peak_dram_bytes=self.peak_dram,
-            peak_nvme_bytes=self.peak_nvme,
+            stall_s=np.asarray(self.stall),
+            peak_dram_bytes=np.asarray(self.peak_dram),
+            peak_nvme_bytes=np.asarray(self.peak_nvme),
             hbm_limit_bytes=self.mem.hbm_limit_bytes,
         )
 
