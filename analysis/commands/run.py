@@ -1,0 +1,155 @@
+"""`pipeplan run`: train the scenario's model with torch.distributed, one process per pipeline rank, executing
+the same schedule the simulator uses, and write the measured step next to the simulator's prediction.
+
+    pipeplan run                                            # tiny-cpu, 4 ranks (gloo), its 1f1b schedule
+    pipeplan run scenarios/tiny-cpu.toml --schedule zbv --virtual-stages 2 --steps 20 --out out/zbv
+    pipeplan run --freeze timelyfreeze --cap 0.5 --steps 30    # TimelyFreeze: monitor, solve the LP, ramp
+    pipeplan run --costs out/profile/scenario.toml         # predict with profiled costs (pipeplan profile)
+    # two nodes x 2 ranks: run on each node (node 0's address as the endpoint)
+    pipeplan run SCEN.toml --nnodes 2 --nproc-per-node 2 --rdzv-endpoint node0:29500 --rdzv-id job1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from analysis.commands.simulate import add_scenario_argument, scenario_overrides
+from analysis.io import staged_output
+from runtime.config import FREEZE_MODES, RunConfig
+from runtime.launch import Rendezvous, launch
+from sim.errors import PipeplanError
+
+
+class JobFailed(Exception):
+    def __init__(self, code: int):
+        super().__init__(f"the job exited with code {code}")
+        self.code = code
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Scenario, schedule, device and rendezvous flags shared by `run` and `profile`."""
+    add_scenario_argument(parser)
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--schedule", help="override pipeline.schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv)")
+    group.add_argument("--schedule-csv", help="run this action order (torch action-string CSV, one row per rank)")
+    parser.add_argument("--virtual-stages", type=int, help="override pipeline.virtual_stages (chunks per rank)")
+    parser.add_argument("--microbatches", type=int, help="override pipeline.microbatches")
+    parser.add_argument("--seed", type=int, default=0, help="weights, data and freezing draws (default 0)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: CUDA (NCCL) when available, else CPU (gloo)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--timeout-s", type=float, default=300.0,
+                        help="a rank waiting longer than this on a peer fails instead of hanging (default 300)")
+    parser.add_argument("--nproc-per-node", type=int, help="processes on this node (default: pipeline.stages / nnodes)")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
+    parser.add_argument("--node-rank", type=int, help="this node's rank (static rendezvous; node 0 writes outputs)")
+    parser.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (node 0) for multi-node jobs")
+    parser.add_argument("--rdzv-id", default="pipeplan", help="job id shared by all nodes (default pipeplan)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_launch_arguments(parser)
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
+    parser.add_argument("--out", default="out/run", help="output folder (default: out/run)")
+    parser.add_argument("--data", help="'synthetic', a text file (byte tokens); default: the Python stdlib sources")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    parser.add_argument("--freeze", choices=FREEZE_MODES, default="none", help="freezing (default none)")
+    parser.add_argument("--cap", type=float, help="freeze cap: mean ratio per stage (default: the scenario's)")
+    parser.add_argument("--freeze-warmup", type=int, default=2, help="steps before freezing (default 2)")
+    parser.add_argument("--freeze-monitor", type=int, default=2, help="monitoring steps (default 2)")
+    parser.add_argument("--freeze-ramp", type=int, default=2, help="steps to ramp up to the plan (default 2)")
+    parser.add_argument("--freeze-redraw", type=int, default=5, help="re-draw frozen sets every K steps (default 5)")
+    parser.add_argument("--recompute", choices=("none", "full", "selective", "chronos"),
+                        help="override memory.recompute (default: the scenario's)")
+    parser.add_argument("--offload-activations", type=float, metavar="SHARE",
+                        help="override memory.offload_activations: share of saved activations moved to host")
+    parser.add_argument("--offload-optimizer", action="store_true",
+                        help="optimizer state and master weights in host memory (memory.optimizer = dram)")
+    parser.add_argument("--costs", help="explicit-costs scenario to predict with (pipeplan profile's scenario.toml)")
+    parser.add_argument("--checkpoint-dir", help="save checkpoints here (at the end and every --checkpoint-every)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (default: end only)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument("--fail-rank", type=int, help=argparse.SUPPRESS)  # testing aid: failure propagation
+    parser.add_argument("--fail-step", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def overrides(args: argparse.Namespace) -> dict[str, object]:
+    out = scenario_overrides(args)
+    if getattr(args, "microbatches", None) is not None:
+        out["pipeline.microbatches"] = args.microbatches
+    if getattr(args, "recompute", None):
+        out["memory.recompute"] = args.recompute
+    if getattr(args, "offload_activations", None) is not None:
+        out["memory.offload_activations"] = args.offload_activations
+    if getattr(args, "offload_optimizer", False):
+        out["memory.optimizer"] = out["memory.master_weights"] = "dram"
+    return out
+
+
+def rendezvous(args: argparse.Namespace, stages: int) -> Rendezvous:
+    nproc = args.nproc_per_node or stages // max(1, args.nnodes)
+    if nproc * args.nnodes != stages:
+        raise PipeplanError(
+            f"--nproc-per-node {nproc} x --nnodes {args.nnodes} = {nproc * args.nnodes} processes, but "
+            f"pipeline.stages is {stages}; one process runs one pipeline rank"
+        )
+    return Rendezvous(nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id)
+
+
+def launch_job(cfg: RunConfig, args: argparse.Namespace, out: str) -> dict | None:
+    """Validate here (bad input is one line, exit 2), launch, and move rank 0's files into `out`."""
+    from runtime.memory import chunk_policies
+    from runtime.report import predict
+    from runtime.train import load_run_scenario
+
+    scenario, schedule = load_run_scenario(cfg)
+    chunk_policies(scenario, schedule)  # a memory plan the runtime can execute
+    predict(cfg, scenario, schedule)  # --costs must describe this pipeline
+    if cfg.data not in (None, "synthetic") and not Path(cfg.data).is_file():
+        raise PipeplanError(f"--data {cfg.data}: file not found; give a text file, or 'synthetic'")
+    rdzv = rendezvous(args, schedule.num_ranks)
+    with staged_output(out) as stage:
+        cfg.out_dir = str(stage)
+        code = launch(cfg, rdzv)
+        if code != 0:
+            raise JobFailed(code)
+        summary = stage / ("summary.json" if not cfg.profile else "profile.json")
+        return json.loads(summary.read_text()) if summary.exists() else None
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = RunConfig(
+        scenario=args.scenario, overrides=overrides(args), schedule_csv=args.schedule_csv, steps=args.steps,
+        data=args.data, seed=args.seed, lr=args.lr, freeze=args.freeze, freeze_cap=args.cap,
+        freeze_warmup=args.freeze_warmup, freeze_monitor=args.freeze_monitor, freeze_ramp=args.freeze_ramp,
+        freeze_redraw=args.freeze_redraw, costs=args.costs, checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every, resume=args.resume, device=args.device, timeout_s=args.timeout_s,
+        threads=args.threads, fail_rank=args.fail_rank, fail_step=args.fail_step,
+    )
+    try:
+        summary = launch_job(cfg, args, args.out)
+    except JobFailed as exc:
+        print(f"pipeplan run: {exc}; nothing was written to {args.out}")
+        return exc.code
+    if summary is not None:
+        print_run_summary(summary)
+        print(f"wrote {args.out}/: metrics.csv timeline.csv timelines.csv memory.csv schedule.csv summary.json "
+              "trace.json gantt.png memory.png loss.png")
+    return 0
+
+
+def print_run_summary(s: dict) -> None:
+    from analysis.console import console
+
+    err = s["makespan_rel_error"]
+    console.print(
+        f"{s['schedule']} p={s['stages']} m={s['microbatches']} v={s['virtual_stages']} on {s['device']}: "
+        f"final loss {s['final_loss']:.4f} · step {s['step_time_s'] * 1e3:.1f} ms · "
+        f"{s['tokens_per_s']:,.0f} tokens/s"
+    )
+    console.print(
+        f"makespan measured {s['measured_makespan_s'] * 1e3:.2f} ms, predicted {s['predicted_makespan_s'] * 1e3:.2f} ms"
+        f" ({'n/a' if err is None else f'{err:+.1%}'}; costs: {s['prediction_costs']})"
+    )

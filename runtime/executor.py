@@ -1,0 +1,233 @@
+"""One pipeline rank's step: run its actions in the schedule IR's order — the order the simulator used.
+
+    F(s, mb)   input: tokens (s = 0), a local handoff, or a receive;  output: loss (last stage), a local
+               handoff, or an asynchronous send.  The parameters frozen for (s, mb) have requires_grad
+               off while the forward runs, so its graph has no weight-gradient edges for them.
+    B(s, mb)   full backward from the loss or the received output gradient: weight gradients accumulate
+               into .grad, the input gradient goes to stage s-1.
+    I(s, mb)   the same, but linear layers queue their weight gradients (runtime/split_backward.py).
+    W(s, mb)   runs what I(s, mb) queued.
+
+Each action's start is taken once its inputs have arrived and its end when its compute is done (a monotonic
+clock on the CPU, CUDA events on the GPU), relative to the step's start, in the simulator's trace schema.
+Saved-activation bytes are metered per chunk-microbatch (runtime/memory.py) from F until B/I frees them,
+plus what I queued for W, giving a per-rank live-activation timeline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from runtime.memory import SavedTensors, param_storages
+from runtime.model import cross_entropy
+from runtime.p2p import P2P, Message, input_message
+from runtime.split_backward import WeightGradStore
+from sim.ir import Action, Kind, Schedule
+
+LOOKAHEAD = 2  # receives posted for this many upcoming actions
+
+
+class Clock:
+    """Marks on a monotonic clock (CPU) or CUDA events, read as seconds since `start()`."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.t0: float | torch.cuda.Event = 0.0
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.t0 = self.mark()
+
+    def seconds(self, mark) -> float:
+        if self.cuda:
+            mark.synchronize()
+            return self.t0.elapsed_time(mark) / 1e3
+        return mark - self.t0
+
+
+@dataclass
+class StepTrace:
+    """What one rank measured in one step; times are seconds since the step's start."""
+
+    actions: list[tuple[Action, float, float]] = field(default_factory=list)  # executed order
+    split: list[tuple[Action, float, float]] = field(default_factory=list)  # I and W inside a profiled B
+    losses: dict[int, float] = field(default_factory=dict)  # microbatch -> loss (last stage only)
+    memory: list[tuple[float, int, int]] = field(default_factory=list)  # (time_s, live device, live host bytes)
+    activation_bytes: dict[int, list[int]] = field(default_factory=dict)  # stage -> saved bytes per F
+    offloaded_bytes: int = 0
+    peak_activation_bytes: int = 0
+    peak_device_bytes: int | None = None  # CUDA allocator peak
+
+
+class PipelineExecutor:
+    def __init__(self, schedule: Schedule, rank: int, chunks: Mapping[int, nn.Module], p2p: P2P,
+                 device: torch.device, offload_share: float = 0.0, profile_backward: bool = False,
+                 autocast_dtype: torch.dtype | None = None):
+        """`chunks` maps each stage this rank holds to its module; `profile_backward` runs every B as I then
+        W back to back and reports both (pipeplan profile); `offload_share` of saved activations goes to host;
+        `autocast_dtype` (CUDA only) runs the forwards in bf16/fp16 autocast — weights, gradients and the
+        activations that cross stages stay fp32."""
+        self.schedule, self.rank, self.chunks, self.p2p, self.device = schedule, rank, dict(chunks), p2p, device
+        self.actions = schedule.ranks[rank]
+        self.num_stages, self.m = schedule.num_stages, schedule.num_microbatches
+        self.offload_share, self.profile_backward = offload_share, profile_backward
+        self.clock = Clock(device)
+        self.param_ptrs = {s: param_storages(c) for s, c in self.chunks.items()}
+        self.params = {s: dict(c.named_parameters()) for s, c in self.chunks.items()}
+        self.offload_stream = torch.cuda.Stream(device) if offload_share > 0 and device.type == "cuda" else None
+        self.autocast_dtype = autocast_dtype if device.type == "cuda" else None
+
+    # ---- one step ------------------------------------------------------------------------------
+    def run_step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
+                 frozen: Mapping[tuple[int, int], Iterable[str]] | None = None) -> StepTrace:
+        """Run this rank's actions once. `batches[mb]` = (inputs, labels), needed on the ranks holding the
+        first and the last stage; `frozen[(stage, mb)]` names the chunk parameters frozen for that pair."""
+        self.batches, self.frozen = batches, frozen or {}
+        self.x: dict[tuple[int, int], torch.Tensor] = {}
+        self.y: dict[tuple[int, int], torch.Tensor] = {}
+        self.stores: dict[tuple[int, int], WeightGradStore] = {}
+        self.saved: dict[tuple[int, int], tuple[int, int]] = {}  # (device, host) bytes
+        self.local: dict[Message, torch.Tensor] = {}
+        self.loss_tensors: dict[int, torch.Tensor] = {}
+        self.live = [0, 0]
+        self.marks: list[tuple[Action, object, object]] = []
+        self.split_marks: list[tuple[Action, object, object]] = []
+        self.memory_marks: list[tuple[object, int, int]] = []
+        self._activation_log: dict[int, list[int]] = {}
+        self._offloaded = 0
+        trace = StepTrace()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.clock.start()
+        self.memory_marks.append((self.clock.t0, 0, 0))
+        for i, action in enumerate(self.actions):
+            for ahead in self.actions[i + 1 : i + 1 + LOOKAHEAD]:
+                msg = input_message(ahead, self.num_stages)
+                if msg is not None and self.p2p.is_remote(msg):
+                    self.p2p.prefetch(msg)
+            if action.kind is Kind.F:
+                self._forward(action)
+            elif action.kind is Kind.W:
+                self._weight(action)
+            else:
+                self._backward(action)
+        self.p2p.finish()
+        trace.actions = [(a, self.clock.seconds(s), self.clock.seconds(e)) for a, s, e in self.marks]
+        trace.split = [(a, self.clock.seconds(s), self.clock.seconds(e)) for a, s, e in self.split_marks]
+        trace.memory = [(self.clock.seconds(t), d, h) for t, d, h in self.memory_marks]
+        trace.peak_activation_bytes = max((d for _, d, _ in trace.memory), default=0)
+        trace.losses = {mb: float(v) for mb, v in self.loss_tensors.items()}
+        if self.device.type == "cuda":
+            trace.peak_device_bytes = int(torch.cuda.max_memory_allocated(self.device))
+        trace.activation_bytes = self._activation_log
+        trace.offloaded_bytes = self._offloaded
+        return trace
+
+    def _input(self, action: Action) -> torch.Tensor | None:
+        msg = input_message(action, self.num_stages)
+        if msg is None:
+            return None
+        if self.p2p.is_remote(msg):
+            return self.p2p.recv(msg)
+        return self.local.pop(msg)
+
+    def _output(self, msg: Message, tensor: torch.Tensor) -> None:
+        if self.p2p.is_remote(msg):
+            self.p2p.send(msg, tensor)
+        else:
+            self.local[msg] = tensor.detach()
+
+    def _track(self, mark, device_delta: int, host_delta: int = 0) -> None:
+        self.live[0] += device_delta
+        self.live[1] += host_delta
+        self.memory_marks.append((mark, *self.live))
+
+    def _forward(self, a: Action) -> None:
+        key = (a.stage, a.microbatch)
+        chunk = self.chunks[a.stage]
+        received = self._input(a)
+        if received is None:
+            x = self.batches[a.microbatch][0].to(self.device, non_blocking=True)  # tokens (b, T)
+        else:
+            x = received.requires_grad_(True)  # (b, T, h), a leaf: its .grad is the stage's input grad
+        params = self.params[a.stage]
+        frozen = [params[n] for n in self.frozen.get(key, ())]
+        for p in frozen:
+            p.requires_grad_(False)
+        meter = SavedTensors(self.param_ptrs[a.stage], self.offload_share, self.offload_stream)
+        start = self.clock.mark()
+        try:
+            with meter, torch.autocast("cuda", self.autocast_dtype or torch.float32,
+                                       enabled=self.autocast_dtype is not None):
+                out = chunk(x)
+                if a.stage == self.num_stages - 1:
+                    labels = self.batches[a.microbatch][1].to(self.device, non_blocking=True)
+                    loss = cross_entropy(out, labels)
+                    self.loss_tensors[a.microbatch] = loss.detach()
+                    out = loss / self.m  # the step's loss is the mean over microbatches
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)  # between forwards every parameter requires grad (see freeze.py)
+        end = self.clock.mark()
+        self.marks.append((a, start, end))
+        self.x[key], self.y[key] = x, out
+        self.saved[key] = (meter.device_bytes, meter.host_bytes)
+        self._activation_log.setdefault(a.stage, []).append(meter.device_bytes + meter.host_bytes)
+        self._offloaded += meter.host_bytes
+        self._track(end, meter.device_bytes, meter.host_bytes)
+        if a.stage < self.num_stages - 1:
+            self._output(Message(False, a.stage, a.microbatch), out)
+
+    def _backward(self, a: Action) -> None:
+        key = (a.stage, a.microbatch)
+        grad = self._input(a)  # None on the last stage: backward from the loss
+        x, y = self.x.pop(key), self.y.pop(key)
+        split = a.kind is Kind.I or self.profile_backward
+        store = WeightGradStore()
+        start = self.clock.mark()
+        if y.requires_grad:  # not when stage 0's whole chunk is frozen for this microbatch
+            if split:
+                with store.capture():
+                    torch.autograd.backward(y, grad)
+            else:
+                torch.autograd.backward(y, grad)
+        dx = x.grad if a.stage > 0 else None
+        mid = self.clock.mark()
+        if a.kind is Kind.B and split:
+            store.run()
+            end = self.clock.mark()
+            self.split_marks += [(Action(a.stage, Kind.I, a.microbatch), start, mid),
+                                 (Action(a.stage, Kind.W, a.microbatch), mid, end)]
+        else:
+            end = mid
+        self.marks.append((a, start, end))
+        del x, y
+        device_bytes, host_bytes = self.saved.pop(key)
+        self._track(end, -device_bytes, -host_bytes)
+        if a.kind is Kind.I:
+            self.stores[key] = store
+            self._track(end, store.nbytes)
+        if a.stage > 0:
+            if dx is None:
+                dx = torch.zeros(self.p2p.shape, dtype=self.p2p.dtype, device=self.device)
+            self._output(Message(True, a.stage, a.microbatch), dx)
+
+    def _weight(self, a: Action) -> None:
+        store = self.stores.pop((a.stage, a.microbatch))
+        nbytes = store.nbytes
+        start = self.clock.mark()
+        store.run()
+        end = self.clock.mark()
+        self.marks.append((a, start, end))
+        self._track(end, -nbytes)

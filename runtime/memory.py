@@ -1,0 +1,130 @@
+"""Activation memory as the scenario's [memory] table plans it: measured, recomputed, or offloaded to host.
+
+`chunk_policies` resolves the plan exactly as the simulator does (sim.memory.build_memory_plan), so a chunk
+the simulator recomputes is the chunk the runtime recomputes:
+
+    none                  keep everything
+    full, chronos:full    checkpoint every decoder layer (torch.utils.checkpoint, non-reentrant): keep the
+                          layer's input, recompute the layer right before its backward
+    selective             checkpoint each layer's attention block only
+
+`SavedTensors` is a `saved_tensors_hooks` context around each forward. It counts the bytes autograd saves
+for the backward (each storage once; parameters are not activations): the CPU's measure of a chunk's
+activation memory, the simulator's `activation_bytes`. With an offload share > 0 it also moves saved
+tensors to host memory when the forward saves them (until that share of the bytes is offloaded) and back
+when the backward unpacks them: on CUDA into pinned memory on a side stream, so the copy overlaps compute;
+on the CPU into a separate host buffer, which exercises the same path and lets the meter tell
+device-resident from offloaded bytes. The hooks do not see what checkpoint keeps, so the checkpoint
+wrapper reports its input's bytes to the active meter itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from sim.config import Scenario
+from sim.errors import PipeplanError
+from sim.ir import Schedule
+
+_active = threading.local()
+
+
+def chunk_policies(sc: Scenario, schedule: Schedule) -> list[str]:
+    """Per chunk, the recompute policy the simulator plans for this scenario and schedule."""
+    from sim.costs import build_cost_table
+    from sim.memory import build_memory_plan
+
+    if sc.memory.plan:
+        raise PipeplanError("memory.plan: the runtime follows memory.recompute / memory.offload_activations; "
+                            "write the memory planner's choice into them (memory.plan = false)")
+    costs = build_cost_table(sc).with_microbatches(schedule.num_microbatches)
+    return list(build_memory_plan(sc, costs, schedule).policy)
+
+
+def apply_policy(chunk: nn.Module, policy: str) -> nn.Module:
+    """Recompute as `policy` says (names and parameters unchanged)."""
+    if policy in ("full", "chronos:full"):
+        for layer in chunk.layers.values():
+            layer.forward = functools.partial(_checkpointed, layer.forward)
+    elif policy == "selective":
+        for layer in chunk.layers.values():
+            layer.attention.forward = functools.partial(_checkpointed, layer.attention.forward)
+    elif policy not in ("none", "chronos:none"):
+        raise PipeplanError(f"memory.recompute: the runtime has no policy {policy!r}")
+    return chunk
+
+
+def _checkpointed(forward, x: torch.Tensor, *args):
+    meter: SavedTensors | None = getattr(_active, "meter", None)
+    if meter is not None and torch.is_grad_enabled() and meter.count(x):
+        meter.device_bytes += x.untyped_storage().nbytes()  # checkpoint keeps the block's input
+    return checkpoint(forward, x, *args, use_reentrant=False)
+
+
+class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
+    """Meter (and offload a share of) what autograd saves inside the context; see the module docstring."""
+
+    def __init__(self, param_ptrs: set[int], offload_share: float = 0.0, stream: torch.cuda.Stream | None = None):
+        self.param_ptrs = param_ptrs
+        self.share = offload_share
+        self.stream = stream
+        self.seen: set[int] = set()
+        self.device_bytes = 0  # saved activations that stay on the device
+        self.host_bytes = 0  # saved activations moved to host memory
+        super().__init__(self._pack, self._unpack)
+
+    def __enter__(self):
+        self._prev = getattr(_active, "meter", None)
+        _active.meter = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _active.meter = self._prev
+        return super().__exit__(*exc)
+
+    def count(self, t: torch.Tensor) -> bool:
+        """True the first time t's storage is seen (parameters never count)."""
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.param_ptrs or ptr in self.seen:
+            return False
+        self.seen.add(ptr)
+        return True
+
+    def _pack(self, t: torch.Tensor):
+        if t.untyped_storage().data_ptr() in self.param_ptrs:
+            return t
+        size = t.untyped_storage().nbytes() if self.count(t) else 0
+        if self.share <= 0 or self.host_bytes >= self.share * (self.host_bytes + self.device_bytes + size):
+            self.device_bytes += size
+            return t
+        self.host_bytes += size
+        if t.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            stream = self.stream or torch.cuda.current_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                host.copy_(t, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            t.record_stream(stream)  # t's memory is not reused before the copy ran
+            return ("offloaded", host, t.device, done)
+        return ("offloaded", t.detach().clone(), t.device, None)
+
+    @staticmethod
+    def _unpack(packed):
+        if not (isinstance(packed, tuple) and packed and packed[0] == "offloaded"):
+            return packed
+        _, host, device, done = packed
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
+            return host.to(device, non_blocking=True)
+        return host
+
+
+def param_storages(module: nn.Module) -> set[int]:
+    return {p.untyped_storage().data_ptr() for p in module.parameters()}

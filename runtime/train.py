@@ -1,0 +1,184 @@
+"""One pipeline rank's training job: build its chunks, then step — freeze, execute, optimise, checkpoint.
+
+The rank's chunks come from the scenario's model and the schedule's stage placement; everything a step
+measured stays on the rank (`StepRecord`) until the job ends, when rank 0 gathers it (runtime/worker.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from runtime import checkpoint
+from runtime.config import RunConfig
+from runtime.data import TokenData
+from runtime.executor import PipelineExecutor, StepTrace
+from runtime.freeze import FreezePhases, Freezer
+from runtime.memory import apply_policy, chunk_policies
+from runtime.model import ModelArgs
+from runtime.optim import HostOffloadOptimizer, build_optimizer
+from runtime.p2p import P2P
+from runtime.split_backward import enable_split_backward
+from runtime.stages import build_chunk
+from scenarios import scenario_path
+from sim.config import Scenario, load_scenario
+from sim.errors import PipeplanError
+from sim.ir import Schedule
+from sim.step import resolve_schedule
+
+DEFAULT_SCENARIO = "tiny-cpu"
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # CUDA only; the CPU runs fp32
+
+
+def load_run_scenario(cfg: RunConfig) -> tuple[Scenario, Schedule]:
+    """The scenario (tiny-cpu unless given) and the schedule it runs; PipeplanError if it has no model."""
+    path = cfg.scenario or str(scenario_path(DEFAULT_SCENARIO))
+    sc = load_scenario(path, cfg.overrides)
+    if sc.model is None:
+        raise PipeplanError(
+            f"scenario {path}: has explicit [costs] but no [model]; `pipeplan run` needs a model to train "
+            "(give the explicit-costs scenario to --costs for the prediction instead)"
+        )
+    return sc, resolve_schedule(sc, cfg.schedule_csv)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    phase: str
+    step_time_s: float  # this rank: barrier exit to optimizer step done
+    trace: StepTrace
+    freeze_ratio: float = 0.0  # mean realized frozen share of this rank's (stage, mb) pairs
+
+
+@dataclass
+class Trainer:
+    cfg: RunConfig
+    rank: int
+    world: int
+    device: torch.device
+    history: list[StepRecord] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        cfg = self.cfg
+        self.scenario, self.schedule = load_run_scenario(cfg)
+        sched = self.schedule
+        if sched.num_ranks != self.world:
+            raise PipeplanError(
+                f"pipeline.stages is {sched.num_ranks} but the job has {self.world} processes; launch one "
+                "process per pipeline rank (--nproc-per-node x --nnodes = pipeline.stages)"
+            )
+        m = self.scenario.model
+        self.args = ModelArgs.from_scenario(m)
+        self.stages = [s for s in range(sched.num_stages) if sched.stage_to_rank[s] == self.rank]
+        self.chunks = {s: build_chunk(self.args, s, sched.num_stages, self.device, cfg.seed) for s in self.stages}
+        self.policies = chunk_policies(self.scenario, sched)
+        for s, chunk in self.chunks.items():
+            if sched.uses_split_backward or cfg.profile:
+                enable_split_backward(chunk)
+            apply_policy(chunk, self.policies[s])
+        params = [p for c in self.chunks.values() for p in c.parameters()]
+        mem = self.scenario.memory
+        self.optimizer = build_optimizer(params, self.scenario.training.optimizer, cfg.lr, mem.optimizer != "hbm")
+        b = self.scenario.training.micro_batch_size
+        needs_data = 0 in self.stages or sched.num_stages - 1 in self.stages
+        self.data = TokenData(cfg.data, m.vocab, m.seq_len, b, cfg.seed) if needs_data else None
+        self.tokens_per_step = b * m.seq_len * sched.num_microbatches
+        p2p = P2P(sched, self.rank, (b, m.seq_len, m.hidden), torch.float32, self.device)
+        self.executor = PipelineExecutor(sched, self.rank, self.chunks, p2p, self.device,
+                                         offload_share=mem.offload_activations, profile_backward=cfg.profile,
+                                         autocast_dtype=AUTOCAST[self.scenario.training.dtype])
+        cap = cfg.freeze_cap if cfg.freeze_cap is not None else self.scenario.freeze.cap
+        phases = FreezePhases(cfg.freeze, cap, cfg.freeze_warmup, cfg.freeze_monitor, cfg.freeze_ramp,
+                              cfg.freeze_redraw, self.scenario.freeze.max_ratio)
+        self.freezer = Freezer.build(phases, sched, self.chunks, cfg.seed, self.rank)
+        self.start_step = 0
+        if cfg.resume:
+            self.load_state_dict(checkpoint.load(cfg.checkpoint_dir, self.rank, self.device))
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def train(self) -> list[StepRecord]:
+        cfg = self.cfg
+        for step in range(self.start_step, cfg.steps):
+            if cfg.fail_rank == self.rank and cfg.fail_step == step:
+                raise RuntimeError(f"injected failure on rank {self.rank} at step {step} (--fail-rank)")
+            self.history.append(self.step(step))
+            if self.freezer.phases.mode != "none" and step == self.freezer.phases.solve_after_step:
+                self.solve_freeze_plan()
+            last = step == cfg.steps - 1
+            if cfg.checkpoint_dir and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or last):
+                checkpoint.save(cfg.checkpoint_dir, step + 1, self.rank, self.state_dict())
+        return self.history
+
+    def step(self, step: int) -> StepRecord:
+        frozen = self.freezer.frozen(step)
+        profiled = self.cfg.profile and (not self.cfg.validate or step % 2 == 1)
+        self.executor.profile_backward = profiled
+        phase = ("profile" if profiled else "plain") if self.cfg.profile else self.freezer.phases.phase(step)
+        batches = self.data.step(step, self.schedule.num_microbatches) if self.data is not None else None
+        dist.barrier()
+        t0 = time.perf_counter()
+        trace = self.executor.run_step(batches, frozen)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        record = StepRecord(step, phase, time.perf_counter() - t0, trace, self.freezer.realized_ratio())
+        self.freezer.observe(step, trace)
+        return record
+
+    def solve_freeze_plan(self) -> None:
+        """Gather every rank's monitoring, solve on rank 0 (the solver's LP), broadcast the plan."""
+        measurements: list = [None] * self.world
+        dist.all_gather_object(measurements, {k: dict(v) for k, v in self.freezer.durations.items()})
+        box = [None]
+        if self.rank == 0:
+            self.freezer.solve(measurements)
+            box = [(self.freezer.plan, self.freezer.planned_makespan_s)]
+        dist.broadcast_object_list(box, src=0)
+        self.freezer.plan, self.freezer.planned_makespan_s = box[0]
+
+    def memory_info(self) -> dict:
+        """Static bytes of this rank: weights and gradients on the device, optimizer state (and, offloaded,
+        the fp32 master copy) on the device or in host memory."""
+        per_stage = {s: 2.0 * sum(p.numel() * p.element_size() for p in c.parameters())
+                     for s, c in self.chunks.items()}  # weights and their gradients
+        opt = self.optimizer
+        offloaded = isinstance(opt, HostOffloadOptimizer)
+        inner = opt.inner if offloaded else opt
+        state = sum(t.numel() * t.element_size() for st in inner.state.values() for t in st.values()
+                    if isinstance(t, torch.Tensor) and t.dim() > 0)
+        host = state + sum(h.numel() * h.element_size() for h in opt.host) if offloaded else 0
+        total = sum(per_stage.values()) or 1.0
+        if not offloaded:  # optimizer state split over chunks in proportion to their weights
+            per_stage = {s: b + state * b / total for s, b in per_stage.items()}
+        return {"static_bytes": float(sum(per_stage.values())), "static_bytes_per_stage": per_stage,
+                "static_host_bytes": float(host)}
+
+    # ---- checkpoint ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        state = {
+            "step": self.history[-1].step + 1 if self.history else self.start_step,
+            "chunks": {s: c.state_dict() for s, c in self.chunks.items()},
+            "optimizer": self.optimizer.state_dict(),
+            "freezer": self.freezer.state_dict(),
+            "rng": torch.get_rng_state(),
+            "history": self.history,
+        }
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        for s, chunk in self.chunks.items():
+            chunk.load_state_dict(state["chunks"][s])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.freezer.load_state_dict(state["freezer"])
+        torch.set_rng_state(state["rng"])
+        if "cuda_rng" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        self.history = list(state["history"])
+        self.start_step = state["step"]

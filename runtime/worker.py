@@ -1,0 +1,91 @@
+"""Worker entry point: one process per pipeline rank, started by torch's elastic launcher (torchrun).
+
+`pipeplan run` writes a RunConfig as JSON and launches this module; by hand (after writing the JSON, e.g.
+with `RunConfig(...).save("run.json")`):
+
+    # one process (a 1-stage pipeline: pipeline.stages = 1)
+    torchrun --standalone --nproc-per-node 1 -m runtime.worker run.json
+    # several processes on this machine, one per pipeline rank (gloo on CPU, NCCL on CUDA)
+    torchrun --standalone --nproc-per-node 4 -m runtime.worker run.json
+    # several nodes (2 x 4 ranks): the same line on each node, node 0's address as the endpoint
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint node0:29500 \
+        --rdzv-id job42 -m runtime.worker run.json
+
+Rank 0 gathers every rank's measurements and writes the results into `RunConfig.out_dir`. Any rank's
+exception is recorded by torchelastic (@record) and makes the launcher stop every rank and exit non-zero;
+collectives and P2P time out after `timeout_s`, so a lost peer can never hang the job.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from runtime.config import RunConfig
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            from sim.errors import PipeplanError
+
+            raise PipeplanError("--device cuda: CUDA is not available here; use --device cpu")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: RunConfig) -> tuple[int, int, torch.device]:
+    """Join the job's process group (env:// from torchrun): gloo on the CPU, NCCL on CUDA."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
+    torch.set_num_threads(cfg.threads)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s), **kwargs)
+    return rank, world, device
+
+
+def run_job(cfg: RunConfig, rank: int, world: int, device: torch.device) -> None:
+    """Train (or profile), gather every rank's records on rank 0, write the results there."""
+    from runtime.report import write_profile, write_run
+    from runtime.train import Trainer
+
+    trainer = Trainer(cfg, rank, world, device)
+    history = trainer.train()
+    info = {"rank": rank, "history": history, "device": str(device), **trainer.memory_info()}
+    if cfg.profile:
+        from runtime.profile import measure_p2p
+
+        info["p2p_s"] = measure_p2p(trainer.executor.p2p.shape, torch.float32, device, rank, world)
+    gathered: list | None = [None] * world if rank == 0 else None
+    dist.gather_object(info, gathered, dst=0)
+    if rank == 0 and cfg.out_dir:
+        extra = {"planned_makespan_s": trainer.freezer.planned_makespan_s, "plan": trainer.freezer.plan,
+                 "policies": trainer.policies}
+        (write_profile if cfg.profile else write_run)(cfg, trainer.scenario, trainer.schedule, gathered, extra)
+    dist.barrier()
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m runtime.worker RUN_CONFIG.json (started by torchrun)", file=sys.stderr)
+        return 2
+    cfg = RunConfig.load(argv[0])
+    rank, world, device = init_distributed(cfg)
+    try:
+        run_job(cfg, rank, world, device)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

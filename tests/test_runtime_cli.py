@@ -1,0 +1,131 @@
+"""`pipeplan profile` and `pipeplan run` end to end through torchrun (2 ranks, tiny model), failure
+propagation with a bounded exit, and bad input rejected before anything is launched."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+from analysis.cli import main
+from sim.config import load_scenario
+from sim.ir import Schedule
+from sim.step import simulate_scenario
+
+TINY = """
+[pipeline]
+stages = 2
+microbatches = 4
+schedule = "zb-h1"
+
+[model]
+layers = 4
+hidden = 32
+ffn_hidden = 64
+heads = 4
+kv_heads = 2
+vocab = 256
+seq_len = 16
+
+[training]
+micro_batch_size = 2
+dtype = "fp32"
+"""
+RUN_FILES = {"metrics.csv", "timeline.csv", "timelines.csv", "memory.csv", "schedule.csv", "summary.json",
+             "trace.json", "gantt.png", "memory.png", "loss.png"}
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    path = tmp_path_factory.mktemp("scen") / "tiny2.toml"
+    path.write_text(TINY)
+    return str(path)
+
+
+def pipeplan(*argv: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "analysis.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def profiled(scenario, tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile")
+    proc = pipeplan("profile", scenario, "--steps", "4", "--validate", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_profile_writes_an_explicit_costs_scenario_the_simulator_reads(profiled):
+    sc = load_scenario(profiled / "scenario.toml")
+    assert sc.costs is not None and sc.model is None
+    assert all(v > 0 for v in sc.costs.forward_s + sc.costs.backward_input_s + sc.costs.activation_bytes)
+    assert simulate_scenario(sc).makespan_s > 0
+    profile = json.loads((profiled / "profile.json").read_text())
+    assert profile["p2p_s"] > 0 and len(profile["backward_weight_s"]) == 2
+    v = profile["validation"]  # plain steps 0, 2 (0 dropped) against the costs of profiled steps 1, 3
+    assert v["plain_steps"] == [2] and v["measured_makespan_s"] > 0 and v["predicted_makespan_s"] > 0
+    timelines = pd.read_csv(profiled / "timelines.csv")
+    assert set(timelines["phase"]) == {"plain", "profile"}
+
+
+def test_run_writes_measurements_in_the_simulator_schema(scenario, profiled, tmp_path):
+    out = tmp_path / "run"
+    proc = pipeplan("run", scenario, "--steps", "3", "--data", "synthetic", "--costs",
+                    str(profiled / "scenario.toml"), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} == RUN_FILES
+    metrics = pd.read_csv(out / "metrics.csv")
+    assert list(metrics.columns[:4]) == ["step", "loss", "step_time_s", "tokens_per_s"]
+    assert list(metrics["step"]) == [0, 1, 2]
+    timeline = pd.read_csv(out / "timeline.csv")
+    assert list(timeline.columns) == ["rank", "stage", "microbatch", "kind", "start_s", "end_s"]
+    sched = Schedule.read_csv(out / "schedule.csv")
+    for rank, rows in timeline.groupby("rank"):  # each rank ran exactly the IR's order
+        executed = [f"{s}{k}{m}" for s, k, m in zip(rows["stage"], rows["kind"], rows["microbatch"], strict=True)]
+        assert executed == [str(a) for a in sched.ranks[rank]]
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("measured_makespan_s", "predicted_makespan_s", "makespan_rel_error",
+                "measured_peak_activation_bytes", "predicted_peak_activation_bytes", "tokens_per_s"):
+        assert key in summary
+    assert summary["prediction_costs"].endswith("scenario.toml")
+    assert summary["measured_makespan_s"] == pytest.approx(timeline["end_s"].max())
+    memory = pd.read_csv(out / "memory.csv")
+    assert list(memory.columns[:3]) == ["rank", "time_s", "hbm_bytes"]
+    trace = json.loads((out / "trace.json").read_text())
+    assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == len(timeline)
+
+
+def test_a_failing_rank_stops_every_rank_with_its_error(scenario, tmp_path):
+    out = tmp_path / "failed"
+    start = time.monotonic()
+    proc = pipeplan("run", scenario, "--steps", "3", "--data", "synthetic", "--timeout-s", "30",
+                    "--fail-rank", "1", "--fail-step", "1", "--out", str(out), timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 90
+    assert "injected failure on rank 1 at step 1" in proc.stdout + proc.stderr
+    assert not out.exists()  # nothing written
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["run", "scenarios/explicit-unit.toml"], "has explicit [costs] but no [model]"),
+    (["run", "--nproc-per-node", "3"], "one process runs one pipeline rank"),
+    (["run", "--schedule", "zbv"], "virtual_stages"),
+    (["run", "--data", "/no/such/file.txt"], "file not found"),
+    (["run", "--costs", "scenarios/explicit-unit.toml", "--microbatches", "8"], None),
+    (["run", "--freeze", "uniform", "--cap", "1.5"], "--cap"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_launching(argv, expected, capsys, tmp_path, monkeypatch):
+    import runtime.launch
+
+    monkeypatch.setattr(runtime.launch.subprocess, "run", lambda *a, **k: pytest.fail("launched"))
+    if expected is None:  # explicit-unit has 4 chunks, like tiny-cpu: accepted; stop before the launch
+        monkeypatch.setattr("analysis.commands.run.launch", lambda *a, **k: 0)
+        assert main([*argv, "--out", str(tmp_path / "x")]) == 0
+        return
+    assert main([*argv, "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0]
