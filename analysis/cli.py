@@ -1,8 +1,13 @@
 """The `pipeplan` command line: a thin layer that parses flags, calls one library function, writes outputs.
 
     pipeplan simulate [SCENARIO] [--schedule NAME | --schedule-csv FILE] [--out DIR]
-    pipeplan plan [SCENARIO] [--cap X] [--out DIR]
-    pipeplan bench sim|plan [--out DIR]
+    pipeplan plan [SCENARIO] [--cap X | --sweep-cap] [--out DIR]
+    pipeplan capacity [SCENARIO] [--policies P,...] [--out DIR]
+    pipeplan sweep SCENARIO --grid KEY=V1,V2 [--grid ...] [--jobs N] [--out DIR]
+    pipeplan report DIR
+    pipeplan run [SCENARIO] [--schedule NAME] [--steps N] [--out DIR]
+    pipeplan profile [SCENARIO] [--out DIR]
+    pipeplan bench sim|plan|sweep [--out DIR]
     pipeplan lcp build|query|bench ...
 
 Every subcommand lives in `analysis/commands/<name>.py` and is registered once, in COMMANDS below.
