@@ -104,17 +104,22 @@ def test_registry_lists_the_builtin_schedules():
     assert all(spec.summary for spec in SCHEDULES.values())
 
 
+def assert_torch_accepts(name: str, p: int, m: int, v: int) -> None:
+    """torch's validator accepts the schedule with our stage->rank map, and its dry run makes progress."""
+    sched = build_schedule(name, p, m, v)
+    assert (sched.num_ranks, sched.num_stages, sched.num_microbatches) == (p, p * v, m)
+    mapping = ts._validate_schedule(sched.to_torch(), p, p * v, m)
+    assert tuple(mapping[s] for s in range(p * v)) == sched.stage_to_rank
+    stage_to_rank = sched.stage_to_rank.__getitem__
+    with_comms = ts._add_send_recv(sched.to_torch(), stage_to_rank=stage_to_rank, num_stages=p * v)
+    # torch's dry run raises if the ranks' sends and receives cannot all make progress.
+    ts._simulate_comms_compute(with_comms, stage_to_rank=stage_to_rank, num_stages=p * v)
+
+
 @pytest.mark.parametrize(("name", "v"), ALLOWED_V)
 def test_torch_validator_accepts_and_dry_run_progresses(name: str, v: int):
     for p, m in sizes(name, v):
-        sched = build_schedule(name, p, m, v)
-        assert (sched.num_ranks, sched.num_stages, sched.num_microbatches) == (p, p * v, m)
-        mapping = ts._validate_schedule(sched.to_torch(), p, p * v, m)
-        assert tuple(mapping[s] for s in range(p * v)) == sched.stage_to_rank
-        stage_to_rank = sched.stage_to_rank.__getitem__
-        with_comms = ts._add_send_recv(sched.to_torch(), stage_to_rank=stage_to_rank, num_stages=p * v)
-        # torch's dry run raises if the ranks' sends and receives cannot all make progress.
-        ts._simulate_comms_compute(with_comms, stage_to_rank=stage_to_rank, num_stages=p * v)
+        assert_torch_accepts(name, p, m, v)
 
 
 @pytest.mark.parametrize(("name", "v"), ALLOWED_V)

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from torch.distributed.pipelining import schedules as ts
 
 from sim.dag import build_dag, longest_path_s
 from sim.engine import SimResult, simulate
@@ -25,6 +24,7 @@ from sim.schedules.v_shape import (
     zigzag_placement,
 )
 from tests.conftest import make_costs
+from tests.test_schedules import assert_torch_accepts
 
 RANKS = range(1, 9)
 MICROBATCHES = (1, 2, 3, 4, 5, 7, 8, 9, 12, 16)
@@ -92,13 +92,7 @@ def test_v_placement_is_the_registry_s_and_zigzag_returns_every_other_chunk():
 @pytest.mark.parametrize(("name", "v"), MEMORY_CAPPED)
 def test_torch_validator_accepts_and_dry_run_progresses(name: str, v: int):
     for p, m in sizes(name, v):
-        sched = build_schedule(name, p, m, v)
-        assert (sched.num_ranks, sched.num_stages, sched.num_microbatches) == (p, p * v, m)
-        mapping = ts._validate_schedule(sched.to_torch(), p, p * v, m)
-        assert tuple(mapping[s] for s in range(p * v)) == sched.stage_to_rank
-        stage_to_rank = sched.stage_to_rank.__getitem__
-        with_comms = ts._add_send_recv(sched.to_torch(), stage_to_rank=stage_to_rank, num_stages=p * v)
-        ts._simulate_comms_compute(with_comms, stage_to_rank=stage_to_rank, num_stages=p * v)
+        assert_torch_accepts(name, p, m, v)
 
 
 @pytest.mark.parametrize(("name", "v"), MEMORY_CAPPED)
