@@ -326,8 +326,12 @@ def describe_validation_error(exc: ValidationError) -> str:
     """One line for the first error: the dotted field, what is wrong and what is allowed."""
     errors = exc.errors(include_url=False)
     # a misspelt key explains the "missing" error that comes with it, so report unknown keys first
-    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
-    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "tuple[", "list[", "float"))]
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), None)
+    if err is None:  # of a union's failed branches, the deepest says most (a list's bad element, not "no list")
+        same = [e for e in errors if e["loc"][:2] == errors[0]["loc"][:2]]
+        err = max(same, key=lambda e: len(e["loc"]))
+    # union branches and validators appear in loc as e.g. "constrained-float" or "list[...]": not fields
+    loc = [str(p) for p in err["loc"] if not any(ch in str(p) for ch in "-[") and str(p) != "float"]
     field = ".".join(loc) or "scenario"
     kind = err["type"]
     if kind == "extra_forbidden":

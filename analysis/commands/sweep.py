@@ -36,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
         bad = [a for a in axes if a not in grid]
         if len(axes) != 2 or bad:
             raise PipeplanError(f"--heatmap {args.heatmap!r}: name two --grid keys; allowed: {', '.join(grid)}")
+    from sim.config import load_scenario
+
+    load_scenario(args.scenario)  # bad input is one line, before any progress bar
     out = Path(args.out)
     with Progress() as bar:
         task = bar.add_task("sweep", total=None)
