@@ -22,3 +22,14 @@ def make_costs(p: int, v: int, m: int, f=1.0, i=1.0, w=1.0, act=1.0, static=0.0,
 @pytest.fixture
 def unit_costs():
     return make_costs
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny tensor ops dominate the LCP tests; one thread avoids OpenMP stalls when the other core is busy."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

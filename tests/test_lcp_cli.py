@@ -11,14 +11,7 @@ from analysis.cli import main
 from lcp import LCPIndex
 from lcp.bench import COLUMNS
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensor ops dominate these tests; one thread avoids OpenMP stalls when the other core is busy."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 

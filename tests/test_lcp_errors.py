@@ -16,13 +16,7 @@ from lcp.trie import Trie
 
 ROWS = torch.tensor([[1, 2, 3], [1, 2, 4], [9, 9, 9]], dtype=torch.uint8)
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensor ops dominate these tests; one thread avoids OpenMP stalls when the other core is busy."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 

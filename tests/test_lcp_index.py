@@ -15,13 +15,7 @@ from lcp.trie import Trie
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64]
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensor ops dominate these tests; one thread avoids OpenMP stalls when the other core is busy."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 
