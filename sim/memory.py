@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,6 +25,9 @@ from sim.config import MemoryConfig, Scenario
 from sim.costs import ChunkDetail, CostTable
 from sim.errors import ScenarioError
 from sim.ir import Kind, Schedule
+
+if TYPE_CHECKING:
+    from sim.engine import SimResult
 
 GIB = 2**30
 
@@ -125,17 +129,19 @@ def activation_lifetimes(schedule: Schedule, costs: CostTable) -> np.ndarray:
     """Mean time per chunk from a forward's end to its backward's start, in a keep-everything simulation."""
     from sim.engine import simulate
 
-    res = simulate(schedule, costs)
-    n = costs.num_chunks
-    f_end = np.zeros((n, schedule.num_microbatches))
-    b_start = np.zeros_like(f_end)
-    for k, kind in enumerate(res.kind):
-        s, mb = res.stage[k], res.microbatch[k]
-        if kind == Kind.F:
-            f_end[s, mb] = res.end_s[k]
-        elif kind in (Kind.B, Kind.I):
-            b_start[s, mb] = res.start_s[k]
-    return (b_start - f_end).mean(axis=1)
+    return hbm_waits(simulate(schedule, costs)).mean(axis=1)
+
+
+def hbm_waits(result: SimResult) -> np.ndarray:
+    """(chunks, microbatches): how long each activation waits in HBM, from its F's end to its B/I's start."""
+    kinds = np.asarray(result.kind)
+    fwd = kinds == Kind.F.value
+    bwd = (kinds == Kind.B.value) | (kinds == Kind.I.value)
+    shape = (result.schedule.num_stages, result.schedule.num_microbatches)
+    f_end, b_start = np.zeros(shape), np.zeros(shape)
+    f_end[result.stage[fwd], result.microbatch[fwd]] = result.end_s[fwd]
+    b_start[result.stage[bwd], result.microbatch[bwd]] = result.start_s[bwd]
+    return b_start - f_end
 
 
 def build_memory_plan(sc: Scenario, costs: CostTable, schedule: Schedule) -> MemoryPlan:

@@ -11,7 +11,8 @@ import pytest
 from sim.dag import build_dag, longest_path_s
 from sim.engine import SimResult, simulate
 from sim.errors import ScheduleError
-from sim.ir import Action, Kind, Schedule
+from sim.ir import Kind, Schedule
+from sim.memory import hbm_waits
 from sim.schedules import SCHEDULES, build_schedule, schedule_names
 from sim.schedules.v_shape import (
     CHRONOS_SLOWDOWN,
@@ -24,7 +25,7 @@ from sim.schedules.v_shape import (
     zigzag_placement,
 )
 from tests.conftest import make_costs
-from tests.test_schedules import assert_torch_accepts
+from tests.test_schedules import assert_torch_accepts, in_flight_peak
 
 RANKS = range(1, 9)
 MICROBATCHES = (1, 2, 3, 4, 5, 7, 8, 9, 12, 16)
@@ -48,27 +49,8 @@ def run_unit(sched: Schedule) -> SimResult:
 
 
 def activation_lifetimes(res: SimResult) -> np.ndarray:
-    """For every (stage, microbatch): time from the end of its F to the start of its B or I — how long the
-    activation waits in HBM before the backward starts consuming it."""
-    f_end, b_start = {}, {}
-    for stage, mb, kind, start, end in zip(res.stage, res.microbatch, res.kind, res.start_s, res.end_s, strict=True):
-        if kind == "F":
-            f_end[stage, mb] = end
-        elif kind in ("B", "I"):
-            b_start[stage, mb] = start
-    return np.array([b_start[key] - f_end[key] for key in f_end])
-
-
-def in_flight_peak(actions: tuple[Action, ...], freed_by: tuple[Kind, ...]) -> int:
-    """Most forwards along a rank's order not yet followed by their `freed_by` pass (timing-independent)."""
-    live = peak = 0
-    for a in actions:
-        if a.kind is Kind.F:
-            live += 1
-            peak = max(peak, live)
-        elif a.kind in freed_by:
-            live -= 1
-    return peak
+    """For every (stage, microbatch): how long the activation waits in HBM before its backward starts."""
+    return hbm_waits(res).ravel()
 
 
 # ---- validity --------------------------------------------------------------------------------------------
@@ -114,7 +96,7 @@ def test_list_scheduler_never_stalls_even_at_the_tightest_cap(v: int):
                 sched = Schedule("cap", p * v, m, plan.ranks, zigzag_placement(p, v)).validate()
                 res = simulate(sched, make_costs(p, v, m))  # raises DeadlockError on a bad order
                 assert res.makespan_s <= plan.makespan
-                assert max(in_flight_peak(r, (Kind.I,)) for r in sched.ranks) <= limit
+                assert max(in_flight_peak(r, Kind.I) for r in sched.ranks) <= limit
 
 
 def test_list_scheduler_refuses_a_cap_below_one_microbatch_and_gives_up_past_its_deadline():
@@ -147,7 +129,7 @@ def test_v_half_holds_at_most_p_plus_2_over_2_microbatches_per_rank():
         if p >= 3 and m >= p:  # strictly less than 1F1B's p microbatches on rank 0
             assert res.peak_activation_bytes.max() / 2 < one_f_one_b.peak_activation_bytes[0]
         # Deferred W passes stay within one microbatch of ZB-V's 2p.
-        assert max(in_flight_peak(r, (Kind.W,)) for r in sched.ranks) <= max(cap, deferred_w_limit(p, 2))
+        assert max(in_flight_peak(r, Kind.W) for r in sched.ranks) <= max(cap, deferred_w_limit(p, 2))
 
 
 def test_v_half_costs_a_few_percent_of_zbv_step_time_at_half_its_memory():
