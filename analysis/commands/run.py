@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from analysis.commands.simulate import add_scenario_argument, scenario_overrides
+from analysis.commands.simulate import add_schedule_arguments, scenario_overrides
 from analysis.io import staged_output
 from runtime.config import FREEZE_MODES, RunConfig
 from runtime.launch import Rendezvous, launch
@@ -30,11 +30,7 @@ class JobFailed(Exception):
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     """Scenario, schedule, device and rendezvous flags shared by `run` and `profile`."""
-    add_scenario_argument(parser)
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--schedule", help="override pipeline.schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv)")
-    group.add_argument("--schedule-csv", help="run this action order (torch action-string CSV, one row per rank)")
-    parser.add_argument("--virtual-stages", type=int, help="override pipeline.virtual_stages (chunks per rank)")
+    add_schedule_arguments(parser)
     parser.add_argument("--microbatches", type=int, help="override pipeline.microbatches")
     parser.add_argument("--seed", type=int, default=0, help="weights, data and freezing draws (default 0)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",

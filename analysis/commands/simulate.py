@@ -15,12 +15,18 @@ def add_scenario_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", nargs="?", default=None, help="scenario TOML (default: the built-in 8B scenario)")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    """The scenario, and the flags that replace its schedule (read back by `scenario_overrides`)."""
     add_scenario_argument(parser)
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--schedule", help="override pipeline.schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv)")
+    group.add_argument("--schedule", help="override pipeline.schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, "
+                                          "v-half, chronos)")
     group.add_argument("--schedule-csv", help="run this action order (torch action-string CSV, one row per rank)")
     parser.add_argument("--virtual-stages", type=int, help="override pipeline.virtual_stages (chunks per rank)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_schedule_arguments(parser)
     parser.add_argument("--out", default="out/simulate", help="output folder (default: out/simulate)")
 
 
