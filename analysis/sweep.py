@@ -35,13 +35,14 @@ def parse_grid(items: list[str]) -> dict[str, list[Any]]:
             raise PipeplanError(f"--grid {item!r}: expected KEY=V1,V2,... e.g. pipeline.stages=2,4,8")
         if key in grid:
             raise PipeplanError(f"--grid {key}: given twice; list all its values in one --grid")
-        grid[key] = [_scalar(v.strip()) for v in values.split(",") if v.strip()]
+        grid[key] = [parse_scalar(v.strip()) for v in values.split(",") if v.strip()]
     if not grid:
         raise PipeplanError("--grid: give at least one KEY=V1,V2,...")
     return grid
 
 
-def _scalar(text: str) -> Any:
+def parse_scalar(text: str) -> Any:
+    """A TOML value (number, bool, string, list), or the bare word itself."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:

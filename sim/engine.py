@@ -51,6 +51,20 @@ class OOMEvent:
         return self.hbm_bytes - self.capacity_bytes
 
 
+@dataclass(frozen=True)
+class CopyRecord:
+    """One copy-engine transfer, in the order the engine granted its stream: an activation offload after F
+    (`action` is the F), a prefetch before B/I (`action` is the B/I), or an optimizer-step copy of `stage`."""
+
+    rank: int
+    stream: str  # "d2h" or "h2d"
+    what: str  # "offload", "prefetch" or "step"
+    action: Action | None  # None for the optimizer step's copies
+    stage: int
+    start_s: float
+    end_s: float
+
+
 @dataclass
 class SimResult:
     """Everything one simulated step produced; tables use the trace schema shared with measured runs."""
@@ -77,6 +91,7 @@ class SimResult:
     peak_dram_bytes: np.ndarray | None = None
     peak_nvme_bytes: np.ndarray | None = None
     hbm_limit_bytes: float = float("inf")
+    copies: list[CopyRecord] = field(default_factory=list)  # per copy stream in grant order (FIFO)
 
     @property
     def bubble_ratio(self) -> float:
@@ -216,6 +231,7 @@ class _StepSimulation:
         self.prefetched: dict[int, simpy.Event] = {}  # B/I index -> its activations are back in HBM
         self.rank_forwards: list[list[int]] = [[] for _ in range(n_ranks)]  # F indices in the order they ran
         self.copy_end = 0.0
+        self.copy_log: list[list] = []  # [rank, stream, what, action index or -1, stage, start, end] at grant
         self.last_backward = self._last_backward_per_chunk() if mem.has_step_copies else {}
 
     # ---- memory ------------------------------------------------------------------------------------------
@@ -254,8 +270,10 @@ class _StepSimulation:
         nbytes = float(self.mem.offload_bytes[stage])
         with self.d2h[rank].request() as req:
             yield req
+            entry = self._log(rank, "d2h", "offload", f, stage)
             if nbytes > 0:
                 yield self.env.timeout(self._copy_s(stage, nbytes))
+            entry[-1] = self.env.now
         if nbytes > 0:
             self._move_host(rank, stage, nbytes)
             self._allocate(rank, -nbytes, self.env.now, f)
@@ -269,12 +287,20 @@ class _StepSimulation:
         yield self.copied[f]
         with self.h2d[rank].request() as req:
             yield req
+            entry = self._log(rank, "h2d", "prefetch", b, stage)
             if nbytes > 0:
                 self._allocate(rank, nbytes, self.env.now, f)
                 yield self.env.timeout(self._copy_s(stage, nbytes))
+            entry[-1] = self.env.now
         if nbytes > 0:
             self._move_host(rank, stage, -nbytes)
         self.prefetched[b].succeed()
+
+    def _log(self, rank: int, stream: str, what: str, i: int, stage: int) -> list:
+        """Record a copy as its stream grants it; the caller fills in the end time."""
+        entry = [rank, stream, what, i, stage, self.env.now, self.env.now]
+        self.copy_log.append(entry)
+        return entry
 
     def _issue_prefetches(self, rank: int, k: int) -> None:
         """At the start of position k, queue the prefetch of the backward `lookahead` places later (at k = 0,
@@ -307,11 +333,15 @@ class _StepSimulation:
         m = self.mem
         with self.d2h[rank].request() as req:
             yield req
+            entry = self._log(rank, "d2h", "step", -1, stage)
             yield self.env.timeout(float(m.step_d2h_bytes[stage]) / m.host_link_bps)
+            entry[-1] = self.env.now
         yield self.env.timeout(float(m.step_host_s[stage]))
         with self.h2d[rank].request() as req:
             yield req
+            entry = self._log(rank, "h2d", "step", -1, stage)
             yield self.env.timeout(float(m.step_h2d_bytes[stage]) / m.host_link_bps)
+            entry[-1] = self.env.now
         self.copy_end = max(self.copy_end, self.env.now)
 
     # ---- the ranks -----------------------------------------------------------------------------------------
@@ -411,6 +441,10 @@ class _StepSimulation:
             peak_dram_bytes=np.asarray(self.peak_dram),
             peak_nvme_bytes=np.asarray(self.peak_nvme),
             hbm_limit_bytes=self.mem.hbm_limit_bytes,
+            copies=[
+                CopyRecord(r, stream, what, self.actions[i] if i >= 0 else None, stage, start, end)
+                for r, stream, what, i, stage, start, end in self.copy_log
+            ],
         )
 
     def _check_finished(self) -> None:

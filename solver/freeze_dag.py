@@ -12,10 +12,21 @@ queue is a fixed chain and stays linear. When no transfer can ever wait (p2p_s n
 possible gap between two sends on a link, counting fully frozen durations) the plain DAG is exact. Otherwise
 each cross-rank edge u -> v becomes a transfer node x (duration p2p_s) with u -> x -> v and the link chain
 x_prev -> x, so the LP sees exactly the queueing the engine simulates.
+
+Copy engines. With a memory plan that offloads (activations, or model states with the optimizer step's
+copies), each copy is a node of fixed duration on its rank's d2h or h2d chain, in the order the engine
+granted the stream (`copy_order`, from a simulated step): an offload starts after its F and after the
+previous d2h copy, and F_j waits for the offload of F_(j-2) (bounded pinned buffers); a prefetch starts
+after its F's offload, after the previous h2d copy, and no earlier than the action `prefetch_lookahead`
+places before its B/I starts (written as that action's own in-edges, so every row stays finish-to-start),
+and the B/I waits for it; a chunk's optimizer-step copies (d2h, host work, h2d) follow its last B/W and
+bound the makespan. A FIFO stream's order depends on when copies are requested, so the planner re-reads
+the order from the planned step's simulation and re-solves if it changed (solver.plan).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -24,7 +35,9 @@ import numpy as np
 from sim.config import FreezeConfig
 from sim.costs import CostTable
 from sim.dag import build_dag
+from sim.engine import SimResult
 from sim.ir import Action, Kind, Schedule
+from sim.memory import MemoryPlan
 from solver.errors import FreezeInputError
 
 FREEZABLE_KINDS = (Kind.B, Kind.W)
@@ -43,6 +56,7 @@ class FreezeDag:
     sinks: np.ndarray  # the last node of every rank: their finishes bound the makespan
     curves: list[list[tuple[float, float]]] | None  # per chunk (ratio, share still spent), None = linear
     link_nodes: int  # transfer nodes added for queueing links (0: plain DAG is exact)
+    copy_nodes: int = 0  # copy-engine nodes (offloads, prefetches, optimizer-step copies)
 
     @property
     def n_actions(self) -> int:
@@ -144,10 +158,28 @@ def freeze_bounds(costs: CostTable, freeze: FreezeConfig) -> tuple[np.ndarray, n
     return b_min, w_min
 
 
+CopyItem = tuple[str, "Action | int"]  # ("offload", F) | ("prefetch", B/I) | ("step", chunk)
+CopyOrder = dict[tuple[int, str], list[CopyItem]]  # (rank, "d2h" | "h2d") -> items in grant order
+
+
+def copy_order(result: SimResult) -> CopyOrder:
+    """Per rank and stream, the copies in the order the engine granted them."""
+    order: CopyOrder = defaultdict(list)
+    for c in result.copies:
+        order[(c.rank, c.stream)].append((c.what, c.action if c.action is not None else c.stage))
+    return dict(order)
+
+
 def build_freeze_dag(
-    schedule: Schedule, costs: CostTable, freeze: FreezeConfig, recompute_s: np.ndarray | None = None
+    schedule: Schedule,
+    costs: CostTable,
+    freeze: FreezeConfig,
+    recompute_s: np.ndarray | None = None,
+    memory: MemoryPlan | None = None,
+    copies: CopyOrder | None = None,
 ) -> FreezeDag:
-    """The step's DAG as arrays; `recompute_s` (per chunk) lengthens every B and I, frozen or not."""
+    """The step's DAG as arrays; `recompute_s` (per chunk) lengthens every B and I, frozen or not; a
+    `memory` plan that copies adds its copy-engine nodes in the grant order `copies` (see copy_order)."""
     chunks = costs.num_chunks
     b_min, wt_min = freeze_bounds(costs, freeze)
     curves = freeze.curves(chunks)
@@ -195,9 +227,110 @@ def build_freeze_dag(
         edge_u, edge_v, edge_delay, w_max, w_min, link_nodes = _with_link_nodes(
             edge_u, edge_v, edge_delay, cross, rank_of, w_max, w_min, costs.p2p_s
         )
+    copy_nodes = 0
+    if memory is not None and (memory.offloads or memory.has_step_copies):
+        if copies is None:
+            raise ValueError("build_freeze_dag: a memory plan with copies needs the copy order (copy_order)")
+        n_before = len(w_max)
+        edge_u, edge_v, edge_delay, extra, sinks = _with_copy_nodes(
+            schedule, actions, index, memory, copies, edge_u, edge_v, edge_delay, n_before, sinks
+        )
+        w_max, w_min = np.concatenate([w_max, extra]), np.concatenate([w_min, extra])
+        copy_nodes = len(extra)
     return FreezeDag(
-        schedule, actions, w_max, w_min, freezable, edge_u, edge_v, edge_delay, sinks, curves, link_nodes
+        schedule, actions, w_max, w_min, freezable, edge_u, edge_v, edge_delay, sinks, curves, link_nodes,
+        copy_nodes,
     )
+
+
+def _with_copy_nodes(schedule, actions, index, mem: MemoryPlan, copies: CopyOrder, edge_u, edge_v, edge_delay,
+                     n: int, sinks):
+    """Add the copy-engine nodes and their rows (module docstring); returns the new edges, the copy nodes'
+    durations and the sinks (each chunk's last optimizer-step copy bounds the makespan)."""
+    nvme = mem.offload_nvme if mem.offload_nvme is not None else np.zeros(len(mem.offload_bytes), bool)
+    act_s = mem.offload_bytes / np.where(nvme, mem.nvme_bps, mem.host_link_bps)  # per chunk, per copy
+    dur: list[float] = []
+    node: dict[tuple[str, object], int] = {}  # ("offload", F) / ("prefetch", B) / ("step-d2h", c) ... -> node
+
+    def add(key: tuple[str, object], seconds: float) -> int:
+        node[key] = n + len(dur)
+        dur.append(float(seconds))
+        return node[key]
+
+    us, vs = [edge_u], [edge_v]
+    new_u: list[int] = []
+    new_v: list[int] = []
+
+    def edge(u: int, v: int) -> None:
+        new_u.append(u)
+        new_v.append(v)
+
+    if mem.offloads:
+        for a in actions:
+            if a.kind is Kind.F:
+                edge(index[a], add(("offload", a), act_s[a.stage]))
+            elif a.kind in (Kind.B, Kind.I):
+                add(("prefetch", a), act_s[a.stage])
+    steps = {}
+    if mem.has_step_copies:
+        last = {}
+        for i, a in enumerate(actions):
+            if a.kind in (Kind.B, Kind.W):
+                last[a.stage] = i
+        for c, i in last.items():
+            d2h = add(("step-d2h", c), mem.step_d2h_bytes[c] / mem.host_link_bps)
+            host = add(("step-host", c), mem.step_host_s[c])
+            h2d = add(("step-h2d", c), mem.step_h2d_bytes[c] / mem.host_link_bps)
+            edge(i, d2h)
+            edge(d2h, host)
+            edge(host, h2d)
+            steps[c] = h2d
+    for (_rank, stream), items in copies.items():  # FIFO chains in grant order
+        chain = [node[("step-" + stream, x) if what == "step" else (what, x)] for what, x in items]
+        for u, v in itertools.pairwise(chain):
+            edge(u, v)
+    if mem.offloads:
+        in_edges: dict[int, list[int]] = defaultdict(list)
+        for k, v in enumerate(edge_v.tolist()):
+            in_edges[v].append(k)
+        def waited_edge(u: int, v: int) -> None:
+            """An edge into an action, remembered so prefetches issued at that action's start see it."""
+            in_edges[v].append(-1 - len(new_u))  # negative: among the new edges
+            edge(u, v)
+
+        for rank_actions in schedule.ranks:
+            forwards = [index[a] for a in rank_actions if a.kind is Kind.F]
+            for j in range(2, len(forwards)):  # F_j waits for the offload of F_(j-2)
+                waited_edge(node[("offload", actions[forwards[j - 2]])], forwards[j])
+            for a in rank_actions:
+                if a.kind in (Kind.B, Kind.I):
+                    q = node[("prefetch", a)]
+                    edge(node[("offload", Action(a.stage, Kind.F, a.microbatch))], q)
+                    waited_edge(q, index[a])
+        ahead_u, ahead_v, ahead_d = [], [], []
+        for rank_actions in schedule.ranks:
+            for pos, a in enumerate(rank_actions):
+                if a.kind not in (Kind.B, Kind.I):
+                    continue
+                q = node[("prefetch", a)]
+                ahead = index[rank_actions[max(pos - mem.prefetch_lookahead, 0)]]
+                for k in in_edges[ahead]:  # issued when `ahead` starts: ahead's own in-edges
+                    if k >= 0:
+                        ahead_u.append(int(edge_u[k]))
+                        ahead_d.append(float(edge_delay[k]))
+                    else:
+                        ahead_u.append(new_u[-1 - k])
+                        ahead_d.append(0.0)
+                    ahead_v.append(q)
+        us += [np.asarray(new_u, np.int64), np.asarray(ahead_u, np.int64)]
+        vs += [np.asarray(new_v, np.int64), np.asarray(ahead_v, np.int64)]
+        delays = [edge_delay, np.zeros(len(new_u)), np.asarray(ahead_d, np.float64)]
+    else:
+        us.append(np.asarray(new_u, np.int64))
+        vs.append(np.asarray(new_v, np.int64))
+        delays = [edge_delay, np.zeros(len(new_u))]
+    sinks = np.concatenate([sinks, np.asarray(sorted(steps.values()), np.int64)]).astype(np.int64)
+    return np.concatenate(us), np.concatenate(vs), np.concatenate(delays), np.asarray(dur), sinks
 
 
 def _links_can_queue(

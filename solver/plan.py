@@ -6,6 +6,12 @@
 The LP (solver.freeze_lp) is written over sim.dag's graph with the engine's own transfer model (FIFO links
 included when they can queue, solver.freeze_dag), so the engine must reproduce the LP's makespan: a gap
 above 1e-6 relative raises VerificationError instead of writing a plan nobody should trust.
+
+The scenario's memory policy is part of the step: recomputation lengthens every B and I, and offload
+(activations, or model states with the optimizer step's copies) adds the copy engines' FIFO streams to the
+DAG in the order a simulated step granted them. Freezing moves actions in time, which can reorder copies
+that were requested close together, so after each solve the order is read again from the planned step's
+simulation and the LP re-solved until it is stable (ORDER_ROUNDS at most).
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ from sim.memory import MemoryPlan, build_memory_plan
 from sim.step import resolve_schedule
 from solver.baselines import BASELINES, uniform_ratios
 from solver.errors import FreezeInputError, VerificationError
-from solver.freeze_dag import FreezeDag, build_freeze_dag
+from solver.freeze_dag import CopyOrder, FreezeDag, build_freeze_dag, copy_order
 from solver.freeze_lp import FreezeSolution, solve_freeze_lp
 
 VERIFY_REL_TOL = 1e-6
+ORDER_ROUNDS = 6
 SWEEP_SCHEDULES: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zbv": 2}  # name -> v
 SWEEP_CAPS = tuple(round(0.1 * k, 1) for k in range(10))  # 0, 0.1, ..., 0.9
 
@@ -63,6 +70,7 @@ class FreezePlan:
     memory: MemoryPlan | None = None  # the scenario's recomputation policy, timed into the DAG
     uniform_at_cap: BaselineResult | None = None  # every freezable action at min(cap, max_ratio)
     uniform_ratio_to_match: float | None = None  # least uniform ratio reaching the LP's makespan
+    order_rounds: int = 1  # LP solves until the copy engines' order was stable (1 without offload)
 
     @property
     def cap(self) -> float:
@@ -130,12 +138,29 @@ def plan_freeze(
     """Solve the freeze LP for `schedule` under `costs`, verify it in the engine, compare schedule-blind
     freezing at the same budget. `baseline` and `dag` may be passed in to reuse them across caps."""
     recompute = memory.recompute_s if memory is not None else None
-    dag = dag if dag is not None else build_freeze_dag(schedule, costs, freeze, recompute)
-    solution = solve_freeze_lp(dag, freeze.cap, freeze.max_ratio)
+    copies = None
+    if memory is not None and (memory.offloads or memory.has_step_copies):  # the copy order comes from a run
+        baseline = baseline if baseline is not None else simulate(schedule, costs, memory=memory)
+        copies = copy_order(baseline)
+    if dag is None or (copies is not None and dag.copy_nodes == 0):
+        dag = build_freeze_dag(schedule, costs, freeze, recompute, memory, copies)
+    rounds = 0
+    while True:
+        rounds += 1
+        solution = solve_freeze_lp(dag, freeze.cap, freeze.max_ratio)
+        planned = simulate(schedule, costs, _durations(dag, solution.duration_s), memory=memory)
+        if copies is None:
+            break
+        settled = copy_order(planned)
+        if settled == copies or rounds == ORDER_ROUNDS:
+            break
+        copies = settled
+        dag = build_freeze_dag(schedule, costs, freeze, recompute, memory, copies)
+    verify(solution.makespan_s, planned.makespan_s, _order_note(copies, planned))
     baseline = baseline if baseline is not None else simulate(schedule, costs, memory=memory)
-    planned = simulate(schedule, costs, _durations(dag, solution.duration_s), memory=memory)
-    verify(solution.makespan_s, planned.makespan_s)
-    plan = FreezePlan(schedule, costs, freeze, dag, solution, baseline, planned, memory=memory)
+    plan = FreezePlan(
+        schedule, costs, freeze, dag, solution, baseline, planned, memory=memory, order_rounds=rounds
+    )
     if baselines:
         plan.baselines = compare_baselines(plan)
         plan.uniform_at_cap = _simulate_ratios(
@@ -150,40 +175,34 @@ def plan_freeze(
 def plan_scenario(
     sc: Scenario, schedule_csv: str | Path | None = None, *, baselines: bool = True
 ) -> FreezePlan:
-    """The scenario's schedule (or a torch-format CSV's order) planned at its [freeze] settings."""
-    check_plain_memory(sc)
+    """The scenario's schedule (or a torch-format CSV's order) planned at its [freeze] settings, under its
+    memory policy (the fixed [memory] settings, or the MILP planner's choice with memory.plan = true)."""
     schedule, costs = resolve_schedule(sc, schedule_csv), build_cost_table(sc)
-    memory = build_memory_plan(sc, costs, schedule)
+    memory = scenario_memory_plan(sc, costs, schedule)
     return plan_freeze(schedule, costs, sc.freeze, baselines=baselines, memory=memory)
 
 
-def check_plain_memory(sc: Scenario) -> None:
-    """The LP times recomputation (a fixed extra on every B and I) but not copy engines: offload is refused."""
-    mem = sc.memory
-    changed = [
-        key
-        for key, value, plain in (
-            ("offload_activations", mem.offload_activations, 0.0),
-            ("optimizer", mem.optimizer, "hbm"),
-            ("master_weights", mem.master_weights, "hbm"),
-            ("gradients", mem.gradients, "hbm"),
-            ("plan", mem.plan, False),
-        )
-        if value != plain
-    ]
-    if changed:
-        raise FreezeInputError(
-            f"memory.{changed[0]}: the freeze planner times compute and recomputation, not offload copies; "
-            f"remove memory.{', memory.'.join(changed)} to plan freezing"
-        )
+def scenario_memory_plan(sc: Scenario, costs: CostTable, schedule: Schedule) -> MemoryPlan:
+    """The memory plan the step runs under: [memory] as written, or the memory MILP's verified choice."""
+    if sc.memory.plan:
+        from solver.memory_milp import plan_memory
+
+        return plan_memory(sc, costs, schedule).plan
+    return build_memory_plan(sc, costs, schedule)
 
 
-def verify(lp_makespan_s: float, simulated_makespan_s: float) -> None:
+def _order_note(copies: CopyOrder | None, planned: SimResult) -> str:
+    if copies is not None and copy_order(planned) != copies:
+        return f" (the copy engines' order still changed after {ORDER_ROUNDS} solves)"
+    return ""
+
+
+def verify(lp_makespan_s: float, simulated_makespan_s: float, note: str = "") -> None:
     gap = abs(simulated_makespan_s - lp_makespan_s) / max(abs(lp_makespan_s), 1e-300)
     if not gap <= VERIFY_REL_TOL:
         raise VerificationError(
             f"plan verification: the simulator's makespan {simulated_makespan_s:.9g} s differs from the LP's "
-            f"{lp_makespan_s:.9g} s by {gap:.2e} relative (allowed {VERIFY_REL_TOL:g}); a planner bug, "
+            f"{lp_makespan_s:.9g} s by {gap:.2e} relative (allowed {VERIFY_REL_TOL:g}){note}; a planner bug, "
             f"please report it with the scenario"
         )
 
@@ -211,6 +230,10 @@ def uniform_ratio_to_match(plan: FreezePlan, tol: float = 1e-4) -> float | None:
     target = plan.solution.makespan_s * (1 + 1e-9)
 
     def makespan(r: float) -> float:
+        if dag.copy_nodes:  # copies may reorder with the durations: ask the engine itself
+            ratio = np.full(len(dag.freezable), r)
+            durations = _durations(dag, dag.durations(ratio))
+            return simulate(plan.schedule, plan.costs, durations, memory=plan.memory).makespan_s
         dur = dag.node_durations(np.full(len(dag.freezable), r))
         asap = dag.earliest_starts(dur)
         assert asap is not None  # the engine already ran this schedule
@@ -247,11 +270,11 @@ def sweep_caps(
         sc = load_scenario(
             scenario_path, {**(overrides or {}), "pipeline.schedule": name, "pipeline.virtual_stages": v}
         )
-        check_plain_memory(sc)
         schedule, costs = resolve_schedule(sc), build_cost_table(sc)
-        memory = build_memory_plan(sc, costs, schedule)
+        memory = scenario_memory_plan(sc, costs, schedule)
         base = simulate(schedule, costs, memory=memory)
-        dag = build_freeze_dag(schedule, costs, sc.freeze, memory.recompute_s)
+        copies = copy_order(base) if memory.offloads or memory.has_step_copies else None
+        dag = build_freeze_dag(schedule, costs, sc.freeze, memory.recompute_s, memory, copies)
         for cap in caps:
             fz = replace_cap(sc.freeze, cap)
             plan = plan_freeze(schedule, costs, fz, baselines=False, baseline=base, dag=dag, memory=memory)

@@ -13,7 +13,7 @@ from analysis.cli import main
 from scenarios import scenario_path
 from sim.config import load_scenario
 from sim.errors import PipeplanError, ScenarioError
-from solver.errors import FreezeInputError, VerificationError
+from solver.errors import VerificationError
 from solver.plan import plan_scenario, sweep_caps, verify
 
 UNIT = str(scenario_path("explicit-unit"))
@@ -156,11 +156,8 @@ def test_deadlocking_order_is_an_infeasible_lp(tmp_path, capsys):
     assert "infeasible" in err and "cycle" in err
 
 
-def test_offload_is_refused_recomputation_is_timed(tmp_path):
+def test_recomputation_is_timed(tmp_path):
     path = tmp_path / "m.toml"
-    path.write_text(Path(UNIT).read_text() + '\n[memory]\noffload_activations = 0.5\n')
-    with pytest.raises(FreezeInputError, match=r"memory\.offload_activations"):
-        plan_scenario(load_scenario(path))
     path.write_text(Path(UNIT).read_text() + '\n[memory]\nrecompute = "full"\n')
     plan = plan_scenario(load_scenario(path))
     plain = plan_scenario(load_scenario(UNIT))

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 from rich.table import Table
 
-from analysis.commands.simulate import add_scenario_argument, scenario_overrides
+from analysis.commands.simulate import add_scenario_argument, add_set_argument, scenario_overrides
 from analysis.console import console
 from analysis.freeze_plots import freeze_heatmap, sweep_plot
 from analysis.io import atomic_write_json, atomic_write_text, staged_output
@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--virtual-stages", type=int, help="override pipeline.virtual_stages (chunks per rank)"
     )
+    add_set_argument(parser)
     parser.add_argument("--out", default=None, help="output folder (default: out/plan, or out/plan-sweep)")
 
 
@@ -101,6 +102,10 @@ def write_plan(plan: FreezePlan, folder: Path, scenario_name: str = "") -> dict[
         "gain_per_freeze": plan.gain_per_freeze,
         "bubble_ratio_before": plan.baseline.bubble_ratio,
         "bubble_ratio_after": plan.planned.bubble_ratio,
+        "memory_policy": list(plan.memory.policy) if plan.memory is not None else None,
+        "peak_hbm_bytes_before": float(plan.baseline.peak_hbm_bytes.max()),
+        "peak_hbm_bytes_after": float(plan.planned.peak_hbm_bytes.max()),
+        "fits_hbm_after": not plan.planned.oom_over_limit,
         "lp": {
             "build_s": sol.build_s,
             "solve_s": sol.solve_s,
@@ -108,6 +113,8 @@ def write_plan(plan: FreezePlan, folder: Path, scenario_name: str = "") -> dict[
             "columns": sol.columns,
             "simplex_iterations": list(sol.iterations),
             "link_transfer_nodes": plan.dag.link_nodes,
+            "copy_engine_nodes": plan.dag.copy_nodes,
+            "copy_order_rounds": plan.order_rounds,
             "stage2_makespan_tolerance": {
                 "relative": MAKESPAN_REL_TOL,
                 "absolute_s": MAKESPAN_ABS_TOL * float(plan.dag.w_max.max()),
@@ -221,6 +228,14 @@ def print_plan(s: dict[str, Any]) -> None:
             else f"needs r = {match:.3f} to match the plan"
         )
     )
+    if s["lp"]["copy_engine_nodes"]:
+        console.print(
+            f"copy engines in the LP: {s['lp']['copy_engine_nodes']} copies, order settled after "
+            f"{s['lp']['copy_order_rounds']} solve(s) · peak HBM {s['peak_hbm_bytes_before'] / 2**30:.2f} -> "
+            f"{s['peak_hbm_bytes_after'] / 2**30:.2f} GiB"
+        )
+    if not s["fits_hbm_after"]:
+        console.print("[yellow]warning:[/] the planned step's peak HBM exceeds capacity - margin on some rank")
 
 
 def _run_sweep(args: argparse.Namespace) -> int:

@@ -23,6 +23,13 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
                                           "v-half, chronos)")
     group.add_argument("--schedule-csv", help="run this action order (torch action-string CSV, one row per rank)")
     parser.add_argument("--virtual-stages", type=int, help="override pipeline.virtual_stages (chunks per rank)")
+    add_set_argument(parser)
+
+
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override any scenario key, TOML value (repeatable), e.g. "
+                             "--set memory.offload_activations=0.5 --set memory.optimizer=dram")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,8 +38,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def scenario_overrides(args: argparse.Namespace) -> dict[str, object]:
-    """Flags that replace scenario keys: --schedule and --virtual-stages."""
+    """Flags that replace scenario keys: --set KEY=VALUE, then --schedule and --virtual-stages."""
+    from analysis.sweep import parse_scalar
+    from sim.errors import PipeplanError
+
     out: dict[str, object] = {}
+    for item in getattr(args, "set", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise PipeplanError(f"--set {item!r}: expected KEY=VALUE, e.g. memory.offload_activations=0.5")
+        out[key.strip()] = parse_scalar(value.strip())
     if getattr(args, "schedule", None):
         out["pipeline.schedule"] = args.schedule
     if getattr(args, "virtual_stages", None) is not None:

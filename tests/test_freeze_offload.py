@@ -1,0 +1,127 @@
+"""The freeze planner under offload: copy-engine nodes in the LP's DAG reproduce the engine exactly, and
+plans with activation or model-state offload verify in the simulator (solver.freeze_dag, solver.plan)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from analysis.cli import main
+from scenarios import scenario_path
+from sim.config import load_scenario
+from sim.costs import build_cost_table
+from sim.engine import simulate
+from sim.memory import build_memory_plan
+from sim.step import resolve_schedule
+from solver.freeze_dag import build_freeze_dag, copy_order
+from solver.plan import plan_scenario
+
+LLAMA70 = str(scenario_path("llama2-70b-48l-pp8-tp8-a100"))
+STATES_OFF = {"memory.optimizer": "dram", "memory.master_weights": "dram", "memory.gradients": "dram"}
+MEMORY_CASES = {
+    "activations": {"memory.offload_activations": 0.5},
+    "activations-nvme-lookahead-1": {
+        "memory.offload_activations": 1.0, "memory.activations_tier": "nvme", "memory.prefetch_lookahead": 1
+    },
+    "states": STATES_OFF,
+    "both-recompute": {"memory.offload_activations": 0.3, "memory.recompute": "chronos", **STATES_OFF},
+}
+SCHEDULES = {"1f1b": 1, "gpipe": 1, "interleaved-1f1b": 2, "zb-h1": 1, "zbv": 2, "chronos": 2}
+
+
+def _step(overrides, path=None):
+    sc = load_scenario(path, overrides)
+    costs = build_cost_table(sc)
+    schedule = resolve_schedule(sc)
+    memory = build_memory_plan(sc, costs, schedule)
+    return sc, costs, schedule, memory, simulate(schedule, costs, memory=memory)
+
+
+@pytest.mark.parametrize("case", MEMORY_CASES)
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_copy_nodes_reproduce_the_engine(name, case):
+    sc, costs, schedule, memory, result = _step(
+        {"pipeline.schedule": name, "pipeline.virtual_stages": SCHEDULES[name], **MEMORY_CASES[case]}
+    )
+    dag = build_freeze_dag(schedule, costs, sc.freeze, memory.recompute_s, memory, copy_order(result))
+    assert dag.copy_nodes > 0
+    asap = dag.earliest_starts(dag.w_max)
+    assert asap is not None
+    start = asap[0]
+    node = {(a.stage, a.kind.value, a.microbatch): i for i, a in enumerate(dag.actions)}
+    rows = [node[(int(s), k, int(m))] for s, k, m in zip(result.stage, result.kind, result.microbatch, strict=True)]
+    np.testing.assert_allclose(start[rows], result.start_s, rtol=0, atol=1e-12 * result.makespan_s)
+    assert float((start + dag.w_max)[dag.sinks].max()) == pytest.approx(result.makespan_s, rel=1e-12)
+    if case == "activations-nvme-lookahead-1":
+        assert result.stall_s.sum() > 0  # the copies really shape the step
+
+
+def test_copy_dag_needs_the_order():
+    sc, costs, schedule, memory, _ = _step(MEMORY_CASES["activations"])
+    with pytest.raises(ValueError, match="copy order"):
+        build_freeze_dag(schedule, costs, sc.freeze, memory.recompute_s, memory)
+
+
+@pytest.mark.parametrize(("name", "case"), [("1f1b", "activations"), ("zbv", "both-recompute"),
+                                            ("interleaved-1f1b", "states")])
+def test_plans_with_offload_verify_and_shorten_the_step(name, case):
+    overrides = {"pipeline.schedule": name, "pipeline.virtual_stages": SCHEDULES[name], **MEMORY_CASES[case]}
+    plan = plan_scenario(load_scenario(None, overrides))
+    assert plan.dag.copy_nodes > 0
+    _, _, _, _, unfrozen = _step(overrides)
+    assert plan.baseline.makespan_s == pytest.approx(unfrozen.makespan_s, rel=1e-12)
+    assert plan.planned.makespan_s == pytest.approx(plan.solution.makespan_s, rel=1e-6)
+    assert plan.planned.makespan_s < plan.baseline.makespan_s
+    # the caps hold and nothing is frozen for nothing: thawing any frozen action lengthens the step
+    assert max(plan.stage_mean_ratio()) <= plan.cap + 1e-9
+    frozen = np.flatnonzero(plan.solution.ratio > 1e-6)
+    for k in frozen[:: max(len(frozen) // 5, 1)]:
+        ratio = plan.solution.ratio.copy()
+        ratio[k] = 0.0
+        durations = {plan.dag.actions[i]: float(d)
+                     for i, d in zip(plan.dag.freezable, plan.dag.durations(ratio), strict=True)}
+        longer = simulate(plan.schedule, plan.costs, durations, memory=plan.memory).makespan_s
+        assert longer > plan.planned.makespan_s * (1 + 1e-9)
+
+
+def test_a_copy_order_changed_by_freezing_is_read_again():
+    # interleaved 1F1B with states on the host: freezing moves the optimizer step's weight copies
+    # past some prefetches, so the first LP's copy order is not the planned step's
+    overrides = {"pipeline.schedule": "interleaved-1f1b", "pipeline.virtual_stages": 2,
+                 "memory.offload_activations": 0.6, "memory.prefetch_lookahead": 2, "freeze.cap": 0.5,
+                 "memory.optimizer": "dram", "memory.master_weights": "dram"}
+    plan = plan_scenario(load_scenario(LLAMA70, overrides), baselines=False)
+    assert plan.order_rounds >= 2
+    assert plan.planned.makespan_s == pytest.approx(plan.solution.makespan_s, rel=1e-6)
+
+
+def test_memory_planner_choice_is_planned():
+    overrides = {"pipeline.schedule": "chronos", "pipeline.virtual_stages": 2, "memory.plan": True}
+    plan = plan_scenario(load_scenario(LLAMA70, overrides), baselines=False)
+    assert plan.memory is not None and any(p != "none" for p in plan.memory.policy)
+    assert not plan.planned.oom_over_limit
+    assert plan.planned.makespan_s == pytest.approx(plan.solution.makespan_s, rel=1e-6)
+
+
+def test_cli_plan_with_offload(tmp_path, capsys):
+    sets = ["--set", "memory.offload_activations=0.5", "--set", "memory.optimizer=dram",
+            "--set", "memory.master_weights=dram"]
+    assert main(["plan", *sets, "--out", str(tmp_path / "o")]) == 0
+    summary = json.loads((tmp_path / "o" / "plan.json").read_text())
+    assert summary["lp"]["copy_engine_nodes"] > 0 and summary["lp"]["copy_order_rounds"] >= 1
+    assert summary["simulated_makespan_s"] == pytest.approx(summary["planned_makespan_s"], rel=1e-6)
+    assert summary["speedup"] > 1
+    assert summary["peak_hbm_bytes_after"] > 0 and isinstance(summary["fits_hbm_after"], bool)
+    assert "copy engines in the LP" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("flag", "message"), [("memory.bogus=1", "memory.bogus: unknown key"),
+                                               ("memory.offload_activations", "expected KEY=VALUE"),
+                                               ("memory.offload_activations=2", "memory.offload_activations")])
+def test_cli_bad_set_is_one_line(tmp_path, capsys, flag, message):
+    assert main(["plan", "--set", flag, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
