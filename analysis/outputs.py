@@ -22,7 +22,7 @@ def write_simulation(result: SimResult, folder: Path, title: str, extra: dict[st
     atomic_write_text(folder / "timeline.csv", timeline.to_csv(index=False))
     atomic_write_text(folder / "memory.csv", memory.to_csv(index=False))
     atomic_write_text(folder / "schedule.csv", result.schedule.to_csv_text())
-    atomic_write_json(folder / "trace.json", chrome_trace(timeline, memory, result.transfers, title))
+    atomic_write_json(folder / "trace.json", chrome_trace(timeline, memory, result.transfers, title, result.copies))
     gantt(timeline, folder / "gantt.png", title)
     cap = result.costs.hbm_bytes
     memory_plot(memory, folder / "memory.png", cap if cap != float("inf") else None, title)

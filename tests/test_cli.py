@@ -126,3 +126,18 @@ def test_console_script_end_to_end(tmp_path):
     assert proc.stderr.strip() == (
         f"pipeplan simulate: error: {bad}: pipeline.microbatches: input should be greater than 0 (got 0)"
     )
+
+
+def test_simulate_with_offload_puts_copies_on_their_own_tracks(tmp_path):
+    out = tmp_path / "sim"
+    assert main(["simulate", "--set", "memory.offload_activations=0.5", "--set", "memory.optimizer=dram",
+                 "--set", "memory.master_weights=dram", "--out", str(out)]) == 0
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    d2h = [e for e in events if e["ph"] == "X" and e.get("tid") == 2]
+    h2d = [e for e in events if e["ph"] == "X" and e.get("tid") == 3]
+    timeline = pd.read_csv(out / "timeline.csv")
+    forwards, backwards = (timeline["kind"] == "F").sum(), (timeline["kind"] == "B").sum()
+    # one offload per F and one prefetch per B, plus each chunk's optimizer-step copy on both streams
+    assert len(d2h) == forwards + 4 and len(h2d) == backwards + 4
+    assert {e["cat"] for e in d2h} == {"offload", "step"} and {e["cat"] for e in h2d} == {"prefetch", "step"}
+    assert all(e["dur"] > 0 for e in d2h + h2d)
