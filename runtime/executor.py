@@ -72,20 +72,25 @@ class StepTrace:
 
 class PipelineExecutor:
     def __init__(self, schedule: Schedule, rank: int, chunks: Mapping[int, nn.Module], p2p: P2P,
-                 device: torch.device, offload_share: float = 0.0, profile_backward: bool = False,
+                 device: torch.device, offload_share: float | Mapping[int, float] = 0.0,
+                 profile_backward: bool = False,
                  autocast_dtype: torch.dtype | None = None):
         """`chunks` maps each stage this rank holds to its module; `profile_backward` runs every B as I then
-        W back to back and reports both (pipeplan profile); `offload_share` of saved activations goes to host;
+        W back to back and reports both (pipeplan profile); `offload_share` of saved activations goes to host
+        (one share, or one per stage);
         `autocast_dtype` (CUDA only) runs the forwards in bf16/fp16 autocast — weights, gradients and the
         activations that cross stages stay fp32."""
         self.schedule, self.rank, self.chunks, self.p2p, self.device = schedule, rank, dict(chunks), p2p, device
         self.actions = schedule.ranks[rank]
         self.num_stages, self.m = schedule.num_stages, schedule.num_microbatches
-        self.offload_share, self.profile_backward = offload_share, profile_backward
+        self.offload_share = {s: float(offload_share if isinstance(offload_share, int | float) else offload_share[s])
+                              for s in self.chunks}
+        self.profile_backward = profile_backward
         self.clock = Clock(device)
         self.param_ptrs = {s: param_storages(c) for s, c in self.chunks.items()}
         self.params = {s: dict(c.named_parameters()) for s, c in self.chunks.items()}
-        self.offload_stream = torch.cuda.Stream(device) if offload_share > 0 and device.type == "cuda" else None
+        offloads = any(x > 0 for x in self.offload_share.values())
+        self.offload_stream = torch.cuda.Stream(device) if offloads and device.type == "cuda" else None
         self.autocast_dtype = autocast_dtype if device.type == "cuda" else None
 
     # ---- one step ------------------------------------------------------------------------------
@@ -165,7 +170,7 @@ class PipelineExecutor:
         frozen = [params[n] for n in self.frozen.get(key, ())]
         for p in frozen:
             p.requires_grad_(False)
-        meter = SavedTensors(self.param_ptrs[a.stage], self.offload_share, self.offload_stream)
+        meter = SavedTensors(self.param_ptrs[a.stage], self.offload_share[a.stage], self.offload_stream)
         start = self.clock.mark()
         try:
             with meter, torch.autocast("cuda", self.autocast_dtype or torch.float32,

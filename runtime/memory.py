@@ -1,12 +1,16 @@
 """Activation memory as the scenario's [memory] table plans it: measured, recomputed, or offloaded to host.
 
-`chunk_policies` resolves the plan exactly as the simulator does (sim.memory.build_memory_plan), so a chunk
-the simulator recomputes is the chunk the runtime recomputes:
+`run_memory` resolves the plan exactly as the simulator does (sim.memory.build_memory_plan, or the memory
+MILP's verified choice with `memory.plan = true`), so a chunk the simulator recomputes is the chunk the
+runtime recomputes:
 
     none                  keep everything
     full, chronos:full    checkpoint every decoder layer (torch.utils.checkpoint, non-reentrant): keep the
                           layer's input, recompute the layer right before its backward
     selective             checkpoint each layer's attention block only
+    planned (MILP)        checkpoint the chunk's first k decoder layers, offload the planned share of the
+                          chunk's saved bytes (its DRAM and NVMe layers; both go to host memory here), and
+                          keep the optimizer state on the host on the ranks the plan says
 
 `SavedTensors` is a `saved_tensors_hooks` context around each forward. It counts the bytes autograd saves
 for the backward (each storage once; parameters are not activations): the CPU's measure of a chunk's
@@ -22,7 +26,9 @@ from __future__ import annotations
 
 import functools
 import threading
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -34,28 +40,66 @@ from sim.ir import Schedule
 _active = threading.local()
 
 
-def chunk_policies(sc: Scenario, schedule: Schedule) -> list[str]:
-    """Per chunk, the recompute policy the simulator plans for this scenario and schedule."""
+@dataclass(frozen=True)
+class ChunkMemory:
+    """What one chunk does with its activations at run time."""
+
+    recompute: str  # "none" | "full" | "selective": how a checkpointed layer recomputes
+    offload_share: float  # share of the saved activation bytes moved to host after the forward
+    recompute_layers: int | None = None  # checkpoint only the first k decoder layers (memory MILP); None: all
+    label: str = "none"
+
+
+@dataclass(frozen=True)
+class RunMemory:
+    chunks: list[ChunkMemory]  # per chunk
+    states_on_host: list[bool]  # per rank: optimizer state and fp32 master weights in host memory
+
+    @property
+    def labels(self) -> list[str]:
+        return [c.label for c in self.chunks]
+
+
+def run_memory(sc: Scenario, schedule: Schedule) -> RunMemory:
+    """Per chunk and rank, the memory plan the simulator uses for this scenario and schedule."""
     from sim.costs import build_cost_table
     from sim.memory import build_memory_plan
 
-    if sc.memory.plan:
-        raise PipeplanError("memory.plan: the runtime follows memory.recompute / memory.offload_activations; "
-                            "write the memory planner's choice into them (memory.plan = false)")
     costs = build_cost_table(sc).with_microbatches(schedule.num_microbatches)
-    return list(build_memory_plan(sc, costs, schedule).policy)
+    mem = sc.memory
+    if not mem.plan:
+        policies = build_memory_plan(sc, costs, schedule).policy
+        chunks = [ChunkMemory(p.removeprefix("chronos:"), mem.offload_activations, None, p) for p in policies]
+        return RunMemory(chunks, [mem.optimizer != "hbm"] * schedule.num_ranks)
+    from solver.memory_milp import plan_memory
+
+    res = plan_memory(sc, costs, schedule)
+    plan, layers = res.plan, costs.detail.layers
+    share = np.divide(plan.offload_bytes, plan.kept_bytes, out=np.zeros(len(layers)), where=plan.kept_bytes > 0)
+    chunks = [
+        ChunkMemory("full" if res.recompute_layers[c] else "none", abs(float(share[c])), int(res.recompute_layers[c]),
+                    plan.policy[c])
+        for c in range(len(layers))
+    ]
+    states = [bool(x) for x in res.states_on_host] if mem.optimizer == "hbm" else [True] * schedule.num_ranks
+    return RunMemory(chunks, states)
 
 
-def apply_policy(chunk: nn.Module, policy: str) -> nn.Module:
+def apply_policy(chunk: nn.Module, policy: ChunkMemory | str) -> nn.Module:
     """Recompute as `policy` says (names and parameters unchanged)."""
-    if policy in ("full", "chronos:full"):
-        for layer in chunk.layers.values():
+    if isinstance(policy, str):
+        policy = ChunkMemory(policy.removeprefix("chronos:"), 0.0)
+    layers = list(chunk.layers.values())
+    if policy.recompute_layers is not None:
+        layers = layers[: policy.recompute_layers]
+    if policy.recompute == "full":
+        for layer in layers:
             layer.forward = functools.partial(_checkpointed, layer.forward)
-    elif policy == "selective":
-        for layer in chunk.layers.values():
+    elif policy.recompute == "selective":
+        for layer in layers:
             layer.attention.forward = functools.partial(_checkpointed, layer.attention.forward)
-    elif policy not in ("none", "chronos:none"):
-        raise PipeplanError(f"memory.recompute: the runtime has no policy {policy!r}")
+    elif policy.recompute != "none":
+        raise PipeplanError(f"memory.recompute: the runtime has no policy {policy.recompute!r}")
     return chunk
 
 

@@ -82,6 +82,10 @@ def predict(cfg: RunConfig, scenario: Scenario, schedule: Schedule) -> tuple[Sim
             f"--costs {cfg.costs}: describes {costs.num_chunks} chunks, the run has {schedule.num_stages}; "
             "profile with the same pipeline.stages and virtual_stages"
         )
+    if cfg.costs is None and sc.memory.plan:
+        from solver.plan import scenario_memory_plan
+
+        return simulate(schedule, costs, memory=scenario_memory_plan(sc, costs, schedule)), source
     return simulate(schedule, costs, memory=build_memory_plan(sc, costs, schedule)), source
 
 
@@ -134,6 +138,9 @@ def write_run(cfg: RunConfig, scenario: Scenario, schedule: Schedule, ranks: lis
         "recompute": extra.get("policies"),
         "offload_activations": scenario.memory.offload_activations,
         "optimizer_tier": scenario.memory.optimizer,
+        "memory_plan": scenario.memory.plan,
+        "offload_share_per_chunk": extra.get("offload_shares"),
+        "states_on_host_per_rank": extra.get("states_on_host"),
     }
     peaks_dev = [max((r["history"][i].trace.peak_device_bytes or 0) for i in idx) for r in ranks]
     if any(peaks_dev):

@@ -17,7 +17,7 @@ from runtime.config import RunConfig
 from runtime.data import TokenData
 from runtime.executor import PipelineExecutor, StepTrace
 from runtime.freeze import FreezePhases, Freezer
-from runtime.memory import apply_policy, chunk_policies
+from runtime.memory import apply_policy, run_memory
 from runtime.model import ModelArgs
 from runtime.optim import HostOffloadOptimizer, build_optimizer
 from runtime.p2p import P2P
@@ -75,21 +75,23 @@ class Trainer:
         self.args = ModelArgs.from_scenario(m)
         self.stages = [s for s in range(sched.num_stages) if sched.stage_to_rank[s] == self.rank]
         self.chunks = {s: build_chunk(self.args, s, sched.num_stages, self.device, cfg.seed) for s in self.stages}
-        self.policies = chunk_policies(self.scenario, sched)
+        self.memory = run_memory(self.scenario, sched)
+        self.policies = self.memory.labels
         for s, chunk in self.chunks.items():
             if sched.uses_split_backward or cfg.profile:
                 enable_split_backward(chunk)
-            apply_policy(chunk, self.policies[s])
+            apply_policy(chunk, self.memory.chunks[s])
         params = [p for c in self.chunks.values() for p in c.parameters()]
-        mem = self.scenario.memory
-        self.optimizer = build_optimizer(params, self.scenario.training.optimizer, cfg.lr, mem.optimizer != "hbm")
+        self.optimizer = build_optimizer(params, self.scenario.training.optimizer, cfg.lr,
+                                         self.memory.states_on_host[self.rank])
         b = self.scenario.training.micro_batch_size
         needs_data = 0 in self.stages or sched.num_stages - 1 in self.stages
         self.data = TokenData(cfg.data, m.vocab, m.seq_len, b, cfg.seed) if needs_data else None
         self.tokens_per_step = b * m.seq_len * sched.num_microbatches
         p2p = P2P(sched, self.rank, (b, m.seq_len, m.hidden), torch.float32, self.device)
         self.executor = PipelineExecutor(sched, self.rank, self.chunks, p2p, self.device,
-                                         offload_share=mem.offload_activations, profile_backward=cfg.profile,
+                                         offload_share={s: self.memory.chunks[s].offload_share for s in self.stages},
+                                         profile_backward=cfg.profile,
                                          autocast_dtype=AUTOCAST[self.scenario.training.dtype])
         cap = cfg.freeze_cap if cfg.freeze_cap is not None else self.scenario.freeze.cap
         phases = FreezePhases(cfg.freeze, cap, cfg.freeze_warmup, cfg.freeze_monitor, cfg.freeze_ramp,

@@ -67,7 +67,9 @@ def run_job(cfg: RunConfig, rank: int, world: int, device: torch.device) -> None
     dist.gather_object(info, gathered, dst=0)
     if rank == 0 and cfg.out_dir:
         extra = {"planned_makespan_s": trainer.freezer.planned_makespan_s, "plan": trainer.freezer.plan,
-                 "policies": trainer.policies}
+                 "policies": trainer.policies,
+                 "offload_shares": [c.offload_share for c in trainer.memory.chunks],
+                 "states_on_host": trainer.memory.states_on_host}
         (write_profile if cfg.profile else write_run)(cfg, trainer.scenario, trainer.schedule, gathered, extra)
     dist.barrier()
 

@@ -96,12 +96,12 @@ def rendezvous(args: argparse.Namespace, stages: int) -> Rendezvous:
 
 def launch_job(cfg: RunConfig, args: argparse.Namespace, out: str) -> dict | None:
     """Validate here (bad input is one line, exit 2), launch, and move rank 0's files into `out`."""
-    from runtime.memory import chunk_policies
+    from runtime.memory import run_memory
     from runtime.report import predict
     from runtime.train import load_run_scenario
 
     scenario, schedule = load_run_scenario(cfg)
-    chunk_policies(scenario, schedule)  # a memory plan the runtime can execute
+    run_memory(scenario, schedule)  # a memory plan the runtime can execute (the MILP's, if planned)
     predict(cfg, scenario, schedule)  # --costs must describe this pipeline
     if cfg.data not in (None, "synthetic") and not Path(cfg.data).is_file():
         raise PipeplanError(f"--data {cfg.data}: file not found; give a text file, or 'synthetic'")
