@@ -231,11 +231,11 @@ def build_freeze_dag(
     if memory is not None and (memory.offloads or memory.has_step_copies):
         if copies is None:
             raise ValueError("build_freeze_dag: a memory plan with copies needs the copy order (copy_order)")
-        n_before = len(w_max)
-        edge_u, edge_v, edge_delay, extra, sinks = _with_copy_nodes(
-            schedule, actions, index, memory, copies, edge_u, edge_v, edge_delay, n_before, sinks
-        )
+        graph = _CopyGraph(actions, index, len(w_max), edge_u, edge_v, edge_delay)
+        graph.add_copies(schedule, memory, copies)
+        edge_u, edge_v, edge_delay, extra = graph.arrays()
         w_max, w_min = np.concatenate([w_max, extra]), np.concatenate([w_min, extra])
+        sinks = np.concatenate([sinks, np.asarray(graph.step_ends, np.int64)])
         copy_nodes = len(extra)
     return FreezeDag(
         schedule, actions, w_max, w_min, freezable, edge_u, edge_v, edge_delay, sinks, curves, link_nodes,
@@ -243,94 +243,96 @@ def build_freeze_dag(
     )
 
 
-def _with_copy_nodes(schedule, actions, index, mem: MemoryPlan, copies: CopyOrder, edge_u, edge_v, edge_delay,
-                     n: int, sinks):
-    """Add the copy-engine nodes and their rows (module docstring); returns the new edges, the copy nodes'
-    durations and the sinks (each chunk's last optimizer-step copy bounds the makespan)."""
-    nvme = mem.offload_nvme if mem.offload_nvme is not None else np.zeros(len(mem.offload_bytes), bool)
-    act_s = mem.offload_bytes / np.where(nvme, mem.nvme_bps, mem.host_link_bps)  # per chunk, per copy
-    dur: list[float] = []
-    node: dict[tuple[str, object], int] = {}  # ("offload", F) / ("prefetch", B) / ("step-d2h", c) ... -> node
+class _CopyGraph:
+    """The step's edges plus copy-engine nodes (module docstring): node keys are ("offload", F),
+    ("prefetch", B/I), ("step-d2h" | "step-host" | "step-h2d", chunk)."""
 
-    def add(key: tuple[str, object], seconds: float) -> int:
-        node[key] = n + len(dur)
-        dur.append(float(seconds))
-        return node[key]
+    def __init__(self, actions: tuple[Action, ...], index: dict[Action, int], n_nodes: int,
+                 edge_u: np.ndarray, edge_v: np.ndarray, edge_delay: np.ndarray):
+        self.actions, self.index, self.n = actions, index, n_nodes
+        self.u, self.v, self.delay = edge_u.tolist(), edge_v.tolist(), edge_delay.tolist()
+        self.in_edges: dict[int, list[int]] = defaultdict(list)
+        for k, v in enumerate(self.v):
+            self.in_edges[v].append(k)
+        self.node: dict[tuple[str, object], int] = {}
+        self.duration: list[float] = []
+        self.step_ends: list[int] = []  # each chunk's last optimizer-step copy: a sink
 
-    us, vs = [edge_u], [edge_v]
-    new_u: list[int] = []
-    new_v: list[int] = []
+    def add_node(self, key: tuple[str, object], seconds: float) -> int:
+        self.node[key] = self.n + len(self.duration)
+        self.duration.append(float(seconds))
+        return self.node[key]
 
-    def edge(u: int, v: int) -> None:
-        new_u.append(u)
-        new_v.append(v)
+    def add_edge(self, u: int, v: int, delay: float = 0.0) -> None:
+        self.in_edges[v].append(len(self.u))
+        self.u.append(u)
+        self.v.append(v)
+        self.delay.append(delay)
 
-    if mem.offloads:
-        for a in actions:
+    def add_copies(self, schedule: Schedule, mem: MemoryPlan, copies: CopyOrder) -> None:
+        if mem.offloads:
+            self._activation_copies(mem)
+        if mem.has_step_copies:
+            self._step_copies(mem)
+        for (_rank, stream), items in copies.items():  # FIFO chains in grant order
+            chain = [self.node[("step-" + stream, x) if what == "step" else (what, x)] for what, x in items]
+            for u, v in itertools.pairwise(chain):
+                self.add_edge(u, v)
+        if mem.offloads:
+            self._gates_and_prefetch_issue(schedule, mem.prefetch_lookahead)
+
+    def _activation_copies(self, mem: MemoryPlan) -> None:
+        """An offload after every F, a prefetch before every B/I (after that F's offload)."""
+        nvme = mem.offload_nvme if mem.offload_nvme is not None else np.zeros(len(mem.offload_bytes), bool)
+        copy_s = mem.offload_bytes / np.where(nvme, mem.nvme_bps, mem.host_link_bps)  # per chunk
+        for a in self.actions:
             if a.kind is Kind.F:
-                edge(index[a], add(("offload", a), act_s[a.stage]))
-            elif a.kind in (Kind.B, Kind.I):
-                add(("prefetch", a), act_s[a.stage])
-    steps = {}
-    if mem.has_step_copies:
-        last = {}
-        for i, a in enumerate(actions):
+                self.add_edge(self.index[a], self.add_node(("offload", a), copy_s[a.stage]))
+        for a in self.actions:
+            if a.kind in (Kind.B, Kind.I):
+                q = self.add_node(("prefetch", a), copy_s[a.stage])
+                self.add_edge(self.node[("offload", Action(a.stage, Kind.F, a.microbatch))], q)
+                self.add_edge(q, self.index[a])
+
+    def _step_copies(self, mem: MemoryPlan) -> None:
+        """Gradients out, the host's optimizer step, weights back: after each chunk's last B/W."""
+        last: dict[int, int] = {}
+        for i, a in enumerate(self.actions):
             if a.kind in (Kind.B, Kind.W):
                 last[a.stage] = i
         for c, i in last.items():
-            d2h = add(("step-d2h", c), mem.step_d2h_bytes[c] / mem.host_link_bps)
-            host = add(("step-host", c), mem.step_host_s[c])
-            h2d = add(("step-h2d", c), mem.step_h2d_bytes[c] / mem.host_link_bps)
-            edge(i, d2h)
-            edge(d2h, host)
-            edge(host, h2d)
-            steps[c] = h2d
-    for (_rank, stream), items in copies.items():  # FIFO chains in grant order
-        chain = [node[("step-" + stream, x) if what == "step" else (what, x)] for what, x in items]
-        for u, v in itertools.pairwise(chain):
-            edge(u, v)
-    if mem.offloads:
-        in_edges: dict[int, list[int]] = defaultdict(list)
-        for k, v in enumerate(edge_v.tolist()):
-            in_edges[v].append(k)
-        def waited_edge(u: int, v: int) -> None:
-            """An edge into an action, remembered so prefetches issued at that action's start see it."""
-            in_edges[v].append(-1 - len(new_u))  # negative: among the new edges
-            edge(u, v)
+            d2h = self.add_node(("step-d2h", c), mem.step_d2h_bytes[c] / mem.host_link_bps)
+            host = self.add_node(("step-host", c), mem.step_host_s[c])
+            h2d = self.add_node(("step-h2d", c), mem.step_h2d_bytes[c] / mem.host_link_bps)
+            self.add_edge(i, d2h)
+            self.add_edge(d2h, host)
+            self.add_edge(host, h2d)
+            self.step_ends.append(h2d)
 
+    def _gates_and_prefetch_issue(self, schedule: Schedule, lookahead: int) -> None:
+        """F_j waits for the offload of F_(j-2); a prefetch starts no earlier than the action `lookahead`
+        places before its B/I starts, i.e. after every in-edge of that action (added last, so complete)."""
         for rank_actions in schedule.ranks:
-            forwards = [index[a] for a in rank_actions if a.kind is Kind.F]
-            for j in range(2, len(forwards)):  # F_j waits for the offload of F_(j-2)
-                waited_edge(node[("offload", actions[forwards[j - 2]])], forwards[j])
-            for a in rank_actions:
-                if a.kind in (Kind.B, Kind.I):
-                    q = node[("prefetch", a)]
-                    edge(node[("offload", Action(a.stage, Kind.F, a.microbatch))], q)
-                    waited_edge(q, index[a])
-        ahead_u, ahead_v, ahead_d = [], [], []
+            forwards = [self.index[a] for a in rank_actions if a.kind is Kind.F]
+            for j in range(2, len(forwards)):
+                self.add_edge(self.node[("offload", self.actions[forwards[j - 2]])], forwards[j])
+        issue = []
         for rank_actions in schedule.ranks:
             for pos, a in enumerate(rank_actions):
-                if a.kind not in (Kind.B, Kind.I):
-                    continue
-                q = node[("prefetch", a)]
-                ahead = index[rank_actions[max(pos - mem.prefetch_lookahead, 0)]]
-                for k in in_edges[ahead]:  # issued when `ahead` starts: ahead's own in-edges
-                    if k >= 0:
-                        ahead_u.append(int(edge_u[k]))
-                        ahead_d.append(float(edge_delay[k]))
-                    else:
-                        ahead_u.append(new_u[-1 - k])
-                        ahead_d.append(0.0)
-                    ahead_v.append(q)
-        us += [np.asarray(new_u, np.int64), np.asarray(ahead_u, np.int64)]
-        vs += [np.asarray(new_v, np.int64), np.asarray(ahead_v, np.int64)]
-        delays = [edge_delay, np.zeros(len(new_u)), np.asarray(ahead_d, np.float64)]
-    else:
-        us.append(np.asarray(new_u, np.int64))
-        vs.append(np.asarray(new_v, np.int64))
-        delays = [edge_delay, np.zeros(len(new_u))]
-    sinks = np.concatenate([sinks, np.asarray(sorted(steps.values()), np.int64)]).astype(np.int64)
-    return np.concatenate(us), np.concatenate(vs), np.concatenate(delays), np.asarray(dur), sinks
+                if a.kind in (Kind.B, Kind.I):
+                    ahead = self.index[rank_actions[max(pos - lookahead, 0)]]
+                    q = self.node[("prefetch", a)]
+                    issue += [(self.u[k], q, self.delay[k]) for k in self.in_edges[ahead]]
+        for u, v, delay in issue:
+            self.add_edge(u, v, delay)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Edges (u, v, delay) and the copy nodes' durations."""
+        return (np.asarray(self.u, np.int64), np.asarray(self.v, np.int64), np.asarray(self.delay, np.float64),
+                np.asarray(self.duration, np.float64))
+
+
+
 
 
 def _links_can_queue(
