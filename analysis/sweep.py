@@ -87,8 +87,8 @@ def evaluate(scenario: str | None, overrides: dict[str, Any], plan_freeze: bool)
 
 
 def _freeze_speedup(sc, makespan_s: float) -> float | None:
-    """Step-time ratio unfrozen / freeze-planned at the scenario's cap; None where the planner cannot time
-    the memory policy (offload)."""
+    """Step-time ratio unfrozen / freeze-planned at the scenario's cap, under the scenario's memory policy;
+    None where the [freeze] settings are unusable (e.g. w_min > w_max)."""
     from solver.errors import FreezeInputError
     from solver.plan import plan_scenario
 
