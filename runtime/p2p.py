@@ -11,6 +11,10 @@ the order their producers finish. That order is consistent with every rank's own
 can always follow it: it issues a send as soon as the data exists (after posting any receives that come
 first on the pair) and posts a receive as early as it likes — `prefetch` posts the receives the next few
 actions need, `recv` waits for one. Gloo matches by tag anyway; following the same sequence costs nothing.
+
+Shared GPUs. NCCL refuses two ranks on one device, so when a job has more ranks than GPUs (a pipeline
+tried out on one GPU) the ranks join a gloo group and `via_host` stages every message through host memory:
+copied to the CPU before the send, received there and copied to the device on `recv`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ import torch.distributed as dist
 from sim.costs import CostTable
 from sim.engine import simulate
 from sim.ir import Action, Kind, Schedule
+
+
+def shares_gpus(device: torch.device) -> bool:
+    """True when this CUDA rank is in a gloo group: ranks share GPUs and messages go through host memory."""
+    return device.type == "cuda" and dist.is_initialized() and dist.get_backend() == "gloo"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +72,9 @@ class P2P:
     """One rank's sends and receives for one step (see module docstring); reusable step after step."""
 
     def __init__(self, schedule: Schedule, rank: int, shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, group: dist.ProcessGroup | None = None):
+                 device: torch.device, group: dist.ProcessGroup | None = None, via_host: bool = False):
         self.rank, self.shape, self.dtype, self.device, self.group = rank, shape, dtype, device, group
+        self.wire = torch.device("cpu") if via_host else device  # where messages travel
         self.stage_to_rank = schedule.stage_to_rank
         self.num_microbatches = schedule.num_microbatches
         self.seq: dict[int, list[Message]] = {}
@@ -98,7 +108,7 @@ class P2P:
         while self.issued[peer] <= upto:
             msg = seq[self.issued[peer]]
             if self.stage_to_rank[msg.consumer_stage] == self.rank:
-                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.wire)
                 work = dist.irecv(buf, self._peer_global(peer), group=self.group, tag=self._tag(msg))
                 self.posted[msg] = (buf, work)
             else:
@@ -113,7 +123,7 @@ class P2P:
 
     def send(self, msg: Message, tensor: torch.Tensor) -> None:
         peer, i = self.index[msg]
-        self.ready[msg] = tensor.detach().contiguous()
+        self.ready[msg] = tensor.detach().to(self.wire).contiguous()
         self._issue(peer, i, strict=True)
 
     def prefetch(self, msg: Message) -> None:
@@ -125,7 +135,7 @@ class P2P:
         self._issue(peer, i, strict=True)
         buf, work = self.posted.pop(msg)
         work.wait()
-        return buf
+        return buf.to(self.device, non_blocking=True)
 
     def finish(self) -> None:
         """Wait for this step's sends; every message of the step must have been issued and consumed."""

@@ -16,13 +16,18 @@ import time
 import torch
 import torch.distributed as dist
 
+from runtime.p2p import shares_gpus
+
 PING_PONGS = 20
 
 
 def measure_p2p(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, rank: int,
                 world: int) -> float | None:
-    """One-way time of one activation between ranks r and r+1 (half a ping-pong round trip, median)."""
-    buf = torch.zeros(shape, dtype=dtype, device=device)
+    """One-way time of one activation between ranks r and r+1 (half a ping-pong round trip, median); ranks
+    that share GPUs stage it through host memory, as their pipeline does (runtime/p2p.py)."""
+    staged = shares_gpus(device)
+    buf = torch.zeros(shape, dtype=dtype, device="cpu" if staged else device)
+    on_device = torch.zeros(shape, dtype=dtype, device=device)
     samples = []
     for even in (True, False):  # pairs (0,1), (2,3), ... then (1,2), (3,4), ...
         first = rank - rank % 2 if even else rank - (rank + 1) % 2
@@ -34,13 +39,25 @@ def measure_p2p(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
         for _ in range(PING_PONGS):
             t0 = time.perf_counter()
             if rank == first:
-                dist.send(buf, peer)
-                dist.recv(buf, peer)
+                _send(buf, on_device, peer, staged)
+                _recv(buf, on_device, peer, staged)
             else:
-                dist.recv(buf, peer)
-                dist.send(buf, peer)
+                _recv(buf, on_device, peer, staged)
+                _send(buf, on_device, peer, staged)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             samples.append((time.perf_counter() - t0) / 2)
     dist.barrier()
     return statistics.median(samples) if samples else None
+
+
+def _send(buf: torch.Tensor, on_device: torch.Tensor, peer: int, staged: bool) -> None:
+    if staged:
+        buf.copy_(on_device)
+    dist.send(buf, peer)
+
+
+def _recv(buf: torch.Tensor, on_device: torch.Tensor, peer: int, staged: bool) -> None:
+    dist.recv(buf, peer)
+    if staged:
+        on_device.copy_(buf)

@@ -133,6 +133,7 @@ def write_run(cfg: RunConfig, scenario: Scenario, schedule: Schedule, ranks: lis
         "static_bytes": [r["static_bytes"] for r in ranks],
         "offloaded_activation_bytes": [max(r["history"][i].trace.offloaded_bytes for i in idx) for r in ranks],
         "device": ranks[0].get("device", "cpu"),
+        "backend": ranks[0].get("backend"),  # gloo on CPU or when ranks share GPUs (P2P via host), else nccl
         "data": cfg.data or "stdlib",
         "freeze": cfg.freeze,
         "recompute": extra.get("policies"),
@@ -195,6 +196,7 @@ def write_profile(cfg: RunConfig, scenario: Scenario, schedule: Schedule, ranks:
         "scenario": cfg.scenario or "tiny-cpu",
         "schedule": schedule.name,
         "device": ranks[0].get("device", "cpu"),
+        "backend": ranks[0].get("backend"),
         "threads_per_rank": cfg.threads,
         "steps": cfg.steps,
         **costs,

@@ -20,7 +20,7 @@ from runtime.freeze import FreezePhases, Freezer
 from runtime.memory import apply_policy, run_memory
 from runtime.model import ModelArgs
 from runtime.optim import HostOffloadOptimizer, build_optimizer
-from runtime.p2p import P2P
+from runtime.p2p import P2P, shares_gpus
 from runtime.split_backward import enable_split_backward
 from runtime.stages import build_chunk
 from scenarios import scenario_path
@@ -88,7 +88,8 @@ class Trainer:
         needs_data = 0 in self.stages or sched.num_stages - 1 in self.stages
         self.data = TokenData(cfg.data, m.vocab, m.seq_len, b, cfg.seed) if needs_data else None
         self.tokens_per_step = b * m.seq_len * sched.num_microbatches
-        p2p = P2P(sched, self.rank, (b, m.seq_len, m.hidden), torch.float32, self.device)
+        p2p = P2P(sched, self.rank, (b, m.seq_len, m.hidden), torch.float32, self.device,
+                  via_host=shares_gpus(self.device))
         self.executor = PipelineExecutor(sched, self.rank, self.chunks, p2p, self.device,
                                          offload_share={s: self.memory.chunks[s].offload_share for s in self.stages},
                                          profile_backward=cfg.profile,

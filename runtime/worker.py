@@ -30,14 +30,24 @@ from runtime.config import RunConfig
 
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
+    """CPU, or the node's GPU local_rank (modulo the GPUs there: more ranks than GPUs share them)."""
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             from sim.errors import PipeplanError
 
             raise PipeplanError("--device cuda: CUDA is not available here; use --device cpu")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def choose_backend(device: torch.device, local_world: int) -> str:
+    """NCCL with one GPU per rank; gloo on the CPU, and when ranks share GPUs (NCCL refuses two ranks on
+    one device), with P2P staged through host memory (runtime/p2p.py)."""
+    if device.type == "cuda" and local_world <= torch.cuda.device_count():
+        return "nccl"
+    return "gloo"
 
 
 def init_distributed(cfg: RunConfig) -> tuple[int, int, torch.device]:
@@ -45,8 +55,8 @@ def init_distributed(cfg: RunConfig) -> tuple[int, int, torch.device]:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
     torch.set_num_threads(cfg.threads)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    backend = choose_backend(device, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s), **kwargs)
     return rank, world, device
 
@@ -58,7 +68,8 @@ def run_job(cfg: RunConfig, rank: int, world: int, device: torch.device) -> None
 
     trainer = Trainer(cfg, rank, world, device)
     history = trainer.train()
-    info = {"rank": rank, "history": history, "device": str(device), **trainer.memory_info()}
+    info = {"rank": rank, "history": history, "device": str(device), "backend": dist.get_backend(),
+            **trainer.memory_info()}
     if cfg.profile:
         from runtime.profile import measure_p2p
 

@@ -14,6 +14,7 @@ from lcp.baselines import FullScan, Pairwise
 from lcp.trie import Trie
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -71,16 +72,18 @@ def expected(rows, lengths, queries, query_lengths, k):
     return brute_force(to_list(rows), lengths.tolist(), to_list(queries), query_lengths.tolist(), k)
 
 
-def assert_topk(method, queries, query_lengths, k, want):
-    ids, lcps = method.topk(queries, k, query_lengths)
+def assert_topk(method, queries, query_lengths, k, want, device="cpu"):
+    ids, lcps = method.topk(queries.to(device), k, query_lengths.to(device))
+    assert ids.device.type == device
     assert ids.dtype == lcps.dtype == torch.int64 and ids.shape == (queries.shape[0], k)
     assert torch.equal(ids.cpu(), want[0]), f"ids differ:\n{ids}\n{want[0]}"
     assert torch.equal(lcps.cpu(), want[1]), f"lcps differ:\n{lcps}\n{want[1]}"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variable", [False, True])
-def test_every_dtype_matches_brute_force(dtype, variable):
+def test_every_dtype_matches_brute_force(dtype, variable, device):
     g = torch.Generator().manual_seed(DTYPES.index(dtype) * 2 + variable)
     for trial in range(6):
         n = int(torch.randint(1, 80, (1,), generator=g))
@@ -90,10 +93,10 @@ def test_every_dtype_matches_brute_force(dtype, variable):
         rows, lengths, queries, qls = random_case(g, n, length, alphabet, dtype, variable, query_len=qlen)
         k = int(torch.randint(1, n + 6, (1,), generator=g))  # includes k > N
         want = expected(rows, lengths, queries, qls, k)
-        index = LCPIndex.build(rows, lengths if variable else None)
-        assert_topk(index, queries, qls, k, want)
+        index = LCPIndex.build(rows, lengths if variable else None, device=device)
+        assert_topk(index, queries, qls, k, want, device)
         index.direct_cap = 0  # force the sparse-table tie-break path
-        assert_topk(index, queries, qls, k, want)
+        assert_topk(index, queries, qls, k, want, device)
 
 
 def _duplicates(g):
@@ -111,7 +114,8 @@ def _duplicates(g):
         ("extreme int64", lambda g: torch.tensor([[-(2**63), 2**63 - 1], [2**63 - 1, -(2**63)], [0, -1]] * 40)),
     ],
 )
-def test_adversarial_rows(name, make):
+@pytest.mark.parametrize("device", DEVICES)
+def test_adversarial_rows(name, make, device):
     g = torch.Generator().manual_seed(7)
     rows = make(g)
     n, length = rows.shape
@@ -121,10 +125,10 @@ def test_adversarial_rows(name, make):
     qls = torch.tensor([length, length // 2, 0, 1, length, 3, length, 2, length]).clamp(max=length)
     for k in (1, 5, 64, n + 3):
         want = expected(rows, lengths, queries, qls, k)
-        index = LCPIndex.build(rows, lengths if variable else None)
-        assert_topk(index, queries, qls, k, want)
+        index = LCPIndex.build(rows, lengths if variable else None, device=device)
+        assert_topk(index, queries, qls, k, want, device)
         index.direct_cap = 0
-        assert_topk(index, queries, qls, k, want)
+        assert_topk(index, queries, qls, k, want, device)
 
 
 def test_query_tokens_outside_the_index_dtype_match_nothing():

@@ -52,3 +52,19 @@ def test_nccl_pipeline_matches_single_process_training():
     for k, cfg in enumerate(cfgs):
         got = losses_by_step([r[k] for r in results])
         np.testing.assert_allclose(got, reference_losses(cfg), rtol=1e-4)
+
+
+def _shared_gpu_job(rank: int, world: int, cfgs) -> list:
+    from runtime.train import Trainer
+
+    return [Trainer(cfg, rank, world, torch.device("cuda", 0)).train() for cfg in cfgs]
+
+
+@cuda
+def test_ranks_sharing_one_gpu_match_single_process_training():
+    # NCCL refuses two ranks on one device: gloo, with every P2P message staged through host memory
+    cfgs = [config("1f1b", 1, device="cuda"), config("zbv", 2, device="cuda")]
+    results = spawn(_shared_gpu_job, 2, cfgs, timeout_s=240, backend="gloo")
+    for k, cfg in enumerate(cfgs):
+        got = losses_by_step([r[k] for r in results])
+        np.testing.assert_allclose(got, reference_losses(cfg), rtol=1e-4)

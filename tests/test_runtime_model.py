@@ -317,3 +317,12 @@ def test_run_memory_is_the_memory_planners_choice():
     fixed = run_memory(load_scenario(str(scenario_path("tiny-cpu")),
                                      {"memory.recompute": "selective", "memory.offload_activations": 0.25}), schedule)
     assert {(c.recompute, c.offload_share, c.recompute_layers) for c in fixed.chunks} == {("selective", 0.25, None)}
+
+
+def test_backend_is_nccl_only_with_a_gpu_per_rank(monkeypatch):
+    from runtime.worker import choose_backend
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert choose_backend(torch.device("cpu"), 4) == "gloo"
+    assert choose_backend(torch.device("cuda", 0), 1) == "nccl"
+    assert choose_backend(torch.device("cuda", 0), 4) == "gloo"  # four ranks share the GPU: P2P via host
