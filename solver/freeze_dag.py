@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,8 +104,12 @@ class FreezeDag:
             return None
         return np.asarray(start_l), np.asarray(tight_l, dtype=np.int64)
 
-    def latest_finishes(self, duration: np.ndarray, makespan: float) -> np.ndarray:
-        """ALAP finish of every node for a step that must end by `makespan` (the graph must be acyclic)."""
+    def latest_finishes(
+        self, duration: np.ndarray, makespan: float, settle: Callable[[int, float], float] | None = None
+    ) -> np.ndarray:
+        """ALAP finish of every node for a step that must end by `makespan` (the graph must be acyclic).
+        Nodes are visited in reverse topological order; `settle(v, latest_finish_v)`, if given, returns the
+        duration v takes from then on (a caller may lengthen it into its float)."""
         n = self.n_nodes
         order = np.argsort(self.edge_v, kind="stable")  # in-edges of each node, contiguous
         heads = np.searchsorted(self.edge_v[order], np.arange(n + 1)).tolist()
@@ -115,6 +120,8 @@ class FreezeDag:
         ready = [i for i in range(n) if outdeg[i] == 0]
         while ready:
             v = ready.pop()
+            if settle is not None:
+                dur[v] = settle(v, latest[v])
             begin = latest[v] - dur[v]
             for k in range(heads[v], heads[v + 1]):
                 u = src[k]

@@ -224,34 +224,23 @@ def _thaw(dag: FreezeDag, ratio: np.ndarray, makespan: float) -> np.ndarray:
     """`ratio` (a stage-1 optimum, linear time model) with every frozen action thawed as far as its float
     allows without lengthening the step past `makespan` (seconds), latest actions first. Only chooses
     stage 2's starting basis: its ASAP tree is much nearer stage 2's optimal basis than the unfrozen one."""
-    start, _ = dag.earliest_starts(dag.node_durations(ratio))
-    n = dag.n_nodes
-    order = np.argsort(dag.edge_v, kind="stable")  # in-edges of each node, contiguous
-    heads = np.searchsorted(dag.edge_v[order], np.arange(n + 1)).tolist()
-    src, delay = dag.edge_u[order].tolist(), dag.edge_delay[order].tolist()
-    slot_l = np.full(n, -1, dtype=np.int64)
-    slot_l[dag.freezable] = np.arange(len(dag.freezable))
-    slot = slot_l.tolist()
-    hi, lo, es = dag.w_max.tolist(), dag.w_min.tolist(), start.tolist()
+    dur = dag.node_durations(ratio)
+    start, _ = dag.earliest_starts(dur)
+    slot = np.full(dag.n_nodes, -1, dtype=np.int64)
+    slot[dag.freezable] = np.arange(len(dag.freezable))
+    slot_l, hi, lo, es, d = slot.tolist(), dag.w_max.tolist(), dag.w_min.tolist(), start.tolist(), dur.tolist()
     r = ratio.tolist()
-    dur = dag.node_durations(ratio).tolist()
-    latest = [float(makespan)] * n
-    outdeg = np.bincount(dag.edge_u, minlength=n).tolist()
-    ready = [i for i in range(n) if outdeg[i] == 0]
-    while ready:  # reverse topological order: every successor is final when v is thawed
-        v = ready.pop()
-        k = slot[v]
-        room = latest[v] - es[v] - dur[v]  # es[v] only grows as predecessors thaw: they stay within latest
+
+    def settle(v: int, latest_finish: float) -> float:
+        """Lengthen a frozen v into its float; successors are final (reverse topological order), and es[v]
+        only grows as predecessors thaw, which stay within their own latest finishes."""
+        k, room = slot_l[v], latest_finish - es[v] - d[v]
         if k >= 0 and r[k] > 0 and room > 0 and hi[v] > lo[v]:
-            dur[v] = min(hi[v], dur[v] + room)
-            r[k] = (hi[v] - dur[v]) / (hi[v] - lo[v])
-        begin = latest[v] - dur[v]
-        for e in range(heads[v], heads[v + 1]):
-            u = src[e]
-            latest[u] = min(latest[u], begin - delay[e])
-            outdeg[u] -= 1
-            if outdeg[u] == 0:
-                ready.append(u)
+            d[v] = min(hi[v], d[v] + room)
+            r[k] = (hi[v] - d[v]) / (hi[v] - lo[v])
+        return d[v]
+
+    dag.latest_finishes(dur, makespan, settle)
     return np.asarray(r)
 
 
