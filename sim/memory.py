@@ -58,6 +58,11 @@ class MemoryPlan:
     def has_step_copies(self) -> bool:
         return bool(self.step_d2h_bytes.any() or self.step_h2d_bytes.any())
 
+    @property
+    def uses_copy_engines(self) -> bool:
+        """Activation offload or the optimizer step's copies: the step's timing depends on the copy engines."""
+        return self.offloads or self.has_step_copies
+
 
 def keep_everything(costs: CostTable) -> MemoryPlan:
     """The default plan: every activation stays in HBM, every model state too."""

@@ -58,6 +58,7 @@ class FreezeDag:
     curves: list[list[tuple[float, float]]] | None  # per chunk (ratio, share still spent), None = linear
     link_nodes: int  # transfer nodes added for queueing links (0: plain DAG is exact)
     copy_nodes: int = 0  # copy-engine nodes (offloads, prefetches, optimizer-step copies)
+    copies: CopyOrder | None = None  # the copy order those nodes are chained in (None: no copies)
 
     @property
     def n_actions(self) -> int:
@@ -169,8 +170,10 @@ CopyItem = tuple[str, "Action | int"]  # ("offload", F) | ("prefetch", B/I) | ("
 CopyOrder = dict[tuple[int, str], list[CopyItem]]  # (rank, "d2h" | "h2d") -> items in grant order
 
 
-def copy_order(result: SimResult) -> CopyOrder:
-    """Per rank and stream, the copies in the order the engine granted them."""
+def copy_order(result: SimResult) -> CopyOrder | None:
+    """Per rank and stream, the copies in the order the engine granted them; None if the step made none."""
+    if not result.copies:
+        return None
     order: CopyOrder = defaultdict(list)
     for c in result.copies:
         order[(c.rank, c.stream)].append((c.what, c.action if c.action is not None else c.stage))
@@ -235,7 +238,7 @@ def build_freeze_dag(
             edge_u, edge_v, edge_delay, cross, rank_of, w_max, w_min, costs.p2p_s
         )
     copy_nodes = 0
-    if memory is not None and (memory.offloads or memory.has_step_copies):
+    if memory is not None and memory.uses_copy_engines:
         if copies is None:
             raise ValueError("build_freeze_dag: a memory plan with copies needs the copy order (copy_order)")
         graph = _CopyGraph(actions, index, len(w_max), edge_u, edge_v, edge_delay)
@@ -246,7 +249,7 @@ def build_freeze_dag(
         copy_nodes = len(extra)
     return FreezeDag(
         schedule, actions, w_max, w_min, freezable, edge_u, edge_v, edge_delay, sinks, curves, link_nodes,
-        copy_nodes,
+        copy_nodes, copies if copy_nodes else None,
     )
 
 

@@ -31,7 +31,7 @@ from sim.memory import MemoryPlan, build_memory_plan
 from sim.step import resolve_schedule
 from solver.baselines import BASELINES, uniform_ratios
 from solver.errors import FreezeInputError, VerificationError
-from solver.freeze_dag import CopyOrder, FreezeDag, build_freeze_dag, copy_order
+from solver.freeze_dag import FreezeDag, build_freeze_dag, copy_order
 from solver.freeze_lp import FreezeSolution, solve_freeze_lp
 
 VERIFY_REL_TOL = 1e-6
@@ -138,25 +138,26 @@ def plan_freeze(
     """Solve the freeze LP for `schedule` under `costs`, verify it in the engine, compare schedule-blind
     freezing at the same budget. `baseline` and `dag` may be passed in to reuse them across caps."""
     recompute = memory.recompute_s if memory is not None else None
-    copies = None
-    if memory is not None and (memory.offloads or memory.has_step_copies):  # the copy order comes from a run
-        baseline = baseline if baseline is not None else simulate(schedule, costs, memory=memory)
-        copies = copy_order(baseline)
-    if dag is None or (copies is not None and dag.copy_nodes == 0):
+    if dag is None:
+        copies = None
+        if memory is not None and memory.uses_copy_engines:  # the copy order comes from a run
+            baseline = baseline if baseline is not None else simulate(schedule, costs, memory=memory)
+            copies = copy_order(baseline)
         dag = build_freeze_dag(schedule, costs, freeze, recompute, memory, copies)
-    rounds = 0
+    rounds, settled = 0, True
     while True:
         rounds += 1
         solution = solve_freeze_lp(dag, freeze.cap, freeze.max_ratio)
         planned = simulate(schedule, costs, _durations(dag, solution.duration_s), memory=memory)
-        if copies is None:
+        if dag.copies is None:
             break
-        settled = copy_order(planned)
-        if settled == copies or rounds == ORDER_ROUNDS:
+        order = copy_order(planned)
+        settled = order == dag.copies
+        if settled or rounds == ORDER_ROUNDS:
             break
-        copies = settled
-        dag = build_freeze_dag(schedule, costs, freeze, recompute, memory, copies)
-    verify(solution.makespan_s, planned.makespan_s, _order_note(copies, planned))
+        dag = build_freeze_dag(schedule, costs, freeze, recompute, memory, order)
+    note = "" if settled else f" (the copy engines' order still changed after {ORDER_ROUNDS} solves)"
+    verify(solution.makespan_s, planned.makespan_s, note)
     baseline = baseline if baseline is not None else simulate(schedule, costs, memory=memory)
     plan = FreezePlan(
         schedule, costs, freeze, dag, solution, baseline, planned, memory=memory, order_rounds=rounds
@@ -189,12 +190,6 @@ def scenario_memory_plan(sc: Scenario, costs: CostTable, schedule: Schedule) -> 
 
         return plan_memory(sc, costs, schedule).plan
     return build_memory_plan(sc, costs, schedule)
-
-
-def _order_note(copies: CopyOrder | None, planned: SimResult) -> str:
-    if copies is not None and copy_order(planned) != copies:
-        return f" (the copy engines' order still changed after {ORDER_ROUNDS} solves)"
-    return ""
 
 
 def verify(lp_makespan_s: float, simulated_makespan_s: float, note: str = "") -> None:
@@ -273,8 +268,7 @@ def sweep_caps(
         schedule, costs = resolve_schedule(sc), build_cost_table(sc)
         memory = scenario_memory_plan(sc, costs, schedule)
         base = simulate(schedule, costs, memory=memory)
-        copies = copy_order(base) if memory.offloads or memory.has_step_copies else None
-        dag = build_freeze_dag(schedule, costs, sc.freeze, memory.recompute_s, memory, copies)
+        dag = build_freeze_dag(schedule, costs, sc.freeze, memory.recompute_s, memory, copy_order(base))
         for cap in caps:
             fz = replace_cap(sc.freeze, cap)
             plan = plan_freeze(schedule, costs, fz, baselines=False, baseline=base, dag=dag, memory=memory)
