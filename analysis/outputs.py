@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Any
 
 from analysis.chrome_trace import chrome_trace
-from analysis.io import atomic_write_json, atomic_write_text
 from analysis.plots import gantt, memory_plot
-from analysis.trace import memory_frame, simulation_summary, timeline_frame
+from common.io import atomic_write_json, atomic_write_text
 from sim.engine import SimResult
+from sim.trace import memory_frame, simulation_summary, timeline_frame
 
 
 def write_simulation(result: SimResult, folder: Path, title: str, extra: dict[str, Any] | None = None) -> dict:

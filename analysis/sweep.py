@@ -122,7 +122,7 @@ def _drop_torn_tail(path: Path) -> None:
     if path.exists():
         text = path.read_text()
         if text and not text.endswith("\n"):
-            from analysis.io import atomic_write_text
+            from common.io import atomic_write_text
 
             atomic_write_text(path, text[: text.rfind("\n") + 1])
 

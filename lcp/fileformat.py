@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from analysis.io import atomic_write_bytes
+from common.io import atomic_write_bytes
 from lcp.errors import LCPError
 
 MAGIC = b"PPLCPIX\0"

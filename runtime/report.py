@@ -24,9 +24,8 @@ import numpy as np
 import pandas as pd
 
 from analysis.chrome_trace import chrome_trace
-from analysis.io import atomic_write_json, atomic_write_text
 from analysis.plots import gantt, memory_plot, save
-from analysis.trace import MEMORY_COLUMNS, TIMELINE_COLUMNS
+from common.io import atomic_write_json, atomic_write_text
 from runtime.calibration import chunk_costs, steady_steps
 from runtime.config import RunConfig
 from sim.config import Scenario, load_scenario
@@ -35,6 +34,7 @@ from sim.engine import SimResult, simulate
 from sim.errors import PipeplanError
 from sim.ir import Schedule
 from sim.memory import build_memory_plan
+from sim.trace import MEMORY_COLUMNS, TIMELINE_COLUMNS
 
 RankResult = dict[str, Any]  # {"rank", "history": [StepRecord], "static_bytes"}
 

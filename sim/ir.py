@@ -163,7 +163,7 @@ class Schedule:
         return sched
 
     def write_csv(self, path: str | Path) -> None:
-        from analysis.io import atomic_write_text
+        from common.io import atomic_write_text
 
         atomic_write_text(path, self.to_csv_text())
 

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from analysis.io import staged_output
+    from common.io import staged_output
 
     with staged_output(args.out) as stage:
         line = args._bench(args, stage)

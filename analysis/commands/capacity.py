@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
 
     from analysis.capacity import capacity_table
     from analysis.capacity_plots import capacity_plot, print_capacity
-    from analysis.io import atomic_write_text, staged_output
+    from common.io import atomic_write_text, staged_output
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     with Progress(transient=True) as bar:

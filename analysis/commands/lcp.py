@@ -87,7 +87,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _query(args: argparse.Namespace) -> int:
-    from analysis.io import atomic_write_text
+    from common.io import atomic_write_text
     from lcp import LCPIndex
     from lcp.inputs import load_rows
 
@@ -114,8 +114,8 @@ def _bench(args: argparse.Namespace) -> int:
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from analysis.io import staged_output
     from analysis.lcp_plots import plot_latency, plot_memory
+    from common.io import staged_output
     from lcp.bench import BenchConfig, run_bench
 
     if args.threads:

@@ -22,11 +22,11 @@ from rich.table import Table
 from analysis.commands.simulate import add_scenario_argument, add_set_argument, scenario_overrides
 from analysis.console import console
 from analysis.freeze_plots import freeze_heatmap, sweep_plot
-from analysis.io import atomic_write_json, atomic_write_text, staged_output
 from analysis.outputs import write_simulation
 from analysis.plots import gantt
-from analysis.trace import timeline_frame
+from common.io import atomic_write_json, atomic_write_text, staged_output
 from sim.config import load_scenario
+from sim.trace import timeline_frame
 from solver.freeze_lp import MAKESPAN_ABS_TOL, MAKESPAN_REL_TOL
 from solver.plan import SWEEP_SCHEDULES, FreezePlan, plan_scenario, sweep_caps
 

@@ -11,8 +11,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from analysis.io import atomic_write_text
     from analysis.report import render
+    from common.io import atomic_write_text
 
     folder = Path(args.folder)
     page, md = render(folder)

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from analysis.commands.simulate import add_schedule_arguments, scenario_overrides
-from analysis.io import staged_output
+from common.io import staged_output
 from runtime.config import FREEZE_MODES, RunConfig
 from runtime.launch import Rendezvous, launch
 from sim.errors import PipeplanError

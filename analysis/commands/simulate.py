@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from analysis.console import print_simulation
-from analysis.io import staged_output
 from analysis.outputs import write_simulation
+from common.io import staged_output
 from sim.config import load_scenario
 from solver.step import simulate_with_memory_policy
 

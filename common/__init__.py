@@ -1,0 +1,1 @@
+"""Helpers every layer may use: atomic, non-destructive output files."""
