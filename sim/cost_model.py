@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sim.chunk_detail import ChunkDetail
 from sim.config import Scenario
-from sim.costs import ChunkDetail
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FLASH_BACKWARD_FACTOR = 2.5  # FlashAttention-2 (Dao 2023): backward does 5 matmuls to the forward's 2

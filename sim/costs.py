@@ -11,26 +11,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from sim.chunk_detail import ChunkDetail
 from sim.config import CostsConfig, Scenario
+from sim.cost_model import model_chunk_costs
 from sim.ir import Action, Kind
 
-
-@dataclass(frozen=True)
-class ChunkDetail:
-    """What memory policies need beyond the step costs: per-chunk layer costs, model-state parts, host tiers."""
-
-    layers: np.ndarray  # layers in each chunk
-    layer_activation_bytes: np.ndarray  # per layer and microbatch, no recomputation
-    layer_checkpoint_bytes: np.ndarray  # per layer and microbatch under full recomputation (its input)
-    layer_forward_s: np.ndarray
-    attention_activation_bytes: np.ndarray  # per layer: what selective recomputation drops
-    attention_forward_s: np.ndarray  # per layer: what selective recomputation redoes
-    state_bytes: dict[str, np.ndarray]  # per chunk: weights, gradients, master_weights, optimizer
-    host_link_bps: float = 32e9  # per direction, one copy engine each way
-    dram_bytes: float = math.inf
-    dram_bps: float = 32e9
-    nvme_bytes: float = math.inf
-    nvme_bps: float = 3e9
+__all__ = ["ChunkDetail", "CostTable", "build_cost_table", "per_rank_sum"]
 
 
 @dataclass(frozen=True)
@@ -111,8 +97,6 @@ def build_cost_table(sc: Scenario) -> CostTable:
                 state_bytes={"weights": _per_chunk(c.static_bytes, chunks)},
             ),
         )
-    from sim.cost_model import model_chunk_costs
-
     mc = model_chunk_costs(sc)
     return CostTable(
         ranks=p,

@@ -1,49 +1,33 @@
-"""The schedule as a DAG (networkx): nodes are actions with durations, edges carry transfer delays.
-
-Edges: each rank's order (a -> next action on the rank), F(s) -> F(s+1), B/I(s+1) -> B/I(s), F -> B/I of
-the same stage and microbatch, I -> W. A cross-rank edge carries the P2P time. With uncontended links the
-SimPy engine's makespan equals this DAG's longest path; the freeze LP is written over the same graph.
+"""The step graph (sim/graph.py) as a networkx DiGraph: nodes are actions with durations, edges carry the
+transfer delays. With uncontended links the SimPy engine's makespan equals this DAG's longest path, an
+independent check of the engine in the tests.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 
 import networkx as nx
+import numpy as np
 
 from sim.costs import CostTable
 from sim.engine import DeadlockError
-from sim.ir import Action, Kind, Schedule
+from sim.graph import build_step_graph, step_structure
+from sim.ir import Action, Schedule
 
 
 def build_dag(schedule: Schedule, costs: CostTable, durations: Mapping[Action, float] | None = None) -> nx.DiGraph:
-    durations = durations or {}
-    s2r = schedule.stage_to_rank
+    st = step_structure(schedule)
+    dur = None
+    if durations:
+        dur = np.fromiter((durations.get(a, costs.duration(a)) for a in st.actions), np.float64, st.n_actions)
+    sg = build_step_graph(schedule, costs, durations=dur)
     g = nx.DiGraph()
-    backward_of: dict[tuple[int, int], Action] = {}
-    for actions in schedule.ranks:
-        for a in actions:
-            g.add_node(a, duration=durations.get(a, costs.duration(a)), rank=s2r[a.stage])
-            if a.kind in (Kind.B, Kind.I):
-                backward_of[(a.stage, a.microbatch)] = a
-
-    def delay(u: Action, v: Action) -> float:
-        return costs.p2p_s if s2r[u.stage] != s2r[v.stage] else 0.0
-
-    for actions in schedule.ranks:
-        for u, v in itertools.pairwise(actions):
-            g.add_edge(u, v, delay=0.0)
-    for a in list(g.nodes):
-        if a.kind is Kind.F and a.stage > 0:
-            g.add_edge(prev := Action(a.stage - 1, Kind.F, a.microbatch), a, delay=delay(prev, a))
-        elif a.kind in (Kind.B, Kind.I):
-            g.add_edge(Action(a.stage, Kind.F, a.microbatch), a, delay=0.0)
-            up = backward_of.get((a.stage + 1, a.microbatch))
-            if up is not None:
-                g.add_edge(up, a, delay=delay(up, a))
-        elif a.kind is Kind.W:
-            g.add_edge(Action(a.stage, Kind.I, a.microbatch), a, delay=0.0)
+    for a, d, r in zip(st.actions, sg.duration.tolist(), st.rank_of, strict=True):
+        g.add_node(a, duration=d, rank=r)
+    acts = st.actions
+    for u, v, delay in zip(sg.edge_u.tolist(), sg.edge_v.tolist(), sg.edge_delay.tolist(), strict=True):
+        g.add_edge(acts[u], acts[v], delay=delay)
     return g
 
 

@@ -30,8 +30,9 @@ import simpy
 
 from sim.costs import CostTable, per_rank_sum
 from sim.errors import ScheduleError
-from sim.ir import Action, Kind, Schedule
-from sim.memory import MemoryPlan, keep_everything
+from sim.graph import CopyOrder, step_structure
+from sim.ir import BACKWARD_KINDS, Action, Kind, Schedule
+from sim.memory_plan import MemoryPlan, keep_everything
 
 
 class DeadlockError(ScheduleError):
@@ -92,6 +93,15 @@ class SimResult:
     peak_nvme_bytes: np.ndarray | None = None
     hbm_limit_bytes: float = float("inf")
     copies: list[CopyRecord] = field(default_factory=list)  # per copy stream in grant order (FIFO)
+
+    def copy_order(self) -> CopyOrder | None:
+        """Per rank and stream, the copies in the order the engine granted them; None if the step made none."""
+        if not self.copies:
+            return None
+        order: CopyOrder = {}
+        for c in self.copies:
+            order.setdefault((c.rank, c.stream), []).append((c.what, c.action if c.action is not None else c.stage))
+        return order
 
     @property
     def bubble_ratio(self) -> float:
@@ -162,40 +172,22 @@ class _StepSimulation:
         self.env = simpy.Environment()
         s2r = schedule.stage_to_rank
         n_ranks = schedule.num_ranks
-        self.actions: list[Action] = [a for r in schedule.ranks for a in r]
-        index = {(a.stage, a.kind, a.microbatch): i for i, a in enumerate(self.actions)}
-        backward = {
-            (a.stage, a.microbatch): i for i, a in enumerate(self.actions) if a.kind in (Kind.B, Kind.I)
-        }
+        st = step_structure(schedule)  # what each action waits for: the step's rules, sim/graph.py
+        self.actions: tuple[Action, ...] = st.actions
         n = len(self.actions)
         # an override is the action's whole duration (a freeze plan's already includes any recomputation)
+        recompute = mem.recompute_s.tolist()
         self.duration = [
             overrides[a] if a in overrides
-            else costs.duration(a) + (float(mem.recompute_s[a.stage]) if a.kind in BACKWARDS else 0.0)
+            else costs.duration(a) + (recompute[a.stage] if a.kind in BACKWARD_KINDS else 0.0)
             for a in self.actions
         ]
         # deps[i]: (producer j, True if j's output crosses stages and so arrives at arrive[j])
-        self.deps: list[tuple[tuple[int, bool], ...]] = []
-        self.consumer_rank: list[int] = [-1] * n  # rank of the cross-stage consumer, -1 if none
-        self.forward_of: list[int] = [-1] * n  # for B/I: its own F
-        for a in self.actions:
-            if a.kind is Kind.F:
-                j = index.get((a.stage - 1, Kind.F, a.microbatch)) if a.stage > 0 else None
-                deps = ((j, True),) if j is not None else ()
-            elif a.kind is Kind.W:
-                deps = ((index[(a.stage, Kind.I, a.microbatch)], False),)
-            else:
-                up = backward.get((a.stage + 1, a.microbatch))
-                own = (index[(a.stage, Kind.F, a.microbatch)], False)
-                self.forward_of[len(self.deps)] = own[0]
-                deps = (own, (up, True)) if up is not None else (own,)
-            for j, via in deps:
-                if via:
-                    self.consumer_rank[j] = s2r[a.stage]
-            self.deps.append(deps)
-        self.rank_of = [s2r[a.stage] for a in self.actions]
-        offsets = np.cumsum([0] + [len(r) for r in schedule.ranks])
-        self.rank_slices = [range(offsets[r], offsets[r + 1]) for r in range(n_ranks)]
+        self.deps = st.deps
+        self.consumer_rank = st.consumer_rank  # rank of the cross-stage consumer, -1 if none
+        self.forward_of = st.forward_of  # for B/I: its own F
+        self.rank_of = st.rank_of
+        self.rank_slices = [st.rank_nodes(r) for r in range(n_ranks)]
         self.end: list[float | None] = [None] * n
         self.arrive: list[float | None] = [None] * n
         self.start: list[float] = [0.0] * n
@@ -232,7 +224,7 @@ class _StepSimulation:
         self.rank_forwards: list[list[int]] = [[] for _ in range(n_ranks)]  # F indices in the order they ran
         self.copy_end = 0.0
         self.copy_log: list[list] = []  # [rank, stream, what, action index or -1, stage, start, end] at grant
-        self.last_backward = self._last_backward_per_chunk() if mem.has_step_copies else {}
+        self.last_backward = {i: c for c, i in st.last_backward.items()} if mem.has_step_copies else {}
 
     # ---- memory ------------------------------------------------------------------------------------------
     def _record(self, rank: int, at: float) -> None:
@@ -322,13 +314,6 @@ class _StepSimulation:
             self.stall[rank] += self.env.now - ready
 
     # ---- the optimizer step's copies when model states live off HBM ---------------------------------------
-    def _last_backward_per_chunk(self) -> dict[int, int]:
-        last: dict[int, int] = {}
-        for i, a in enumerate(self.actions):
-            if a.kind in (Kind.B, Kind.W):
-                last[a.stage] = i  # ranks' lists are in order, so the final assignment is the last one
-        return {i: s for s, i in last.items()}
-
     def _step_copies(self, stage: int, rank: int):
         m = self.mem
         with self.d2h[rank].request() as req:
@@ -378,7 +363,7 @@ class _StepSimulation:
                 if t > ready:
                     ready = t
             kind = acts[i].kind
-            backward = kind is Kind.B or kind is Kind.I
+            backward = kind in BACKWARD_KINDS
             if offloads:
                 forwards = self.rank_forwards[rank]
                 gate = self.copied[forwards[-2]] if kind is Kind.F and len(forwards) >= 2 else None
@@ -457,6 +442,4 @@ class _StepSimulation:
         if blocked:
             raise DeadlockError(f"schedule {self.sched.name!r} deadlocks: {'; '.join(blocked)}")
 
-
-BACKWARDS = (Kind.B, Kind.I)
 

@@ -25,7 +25,8 @@ class Kind(StrEnum):
     W = "W"
 
 
-BACKWARD_KINDS = (Kind.B, Kind.I)
+BACKWARD_KINDS = (Kind.B, Kind.I)  # consume the output gradient; free the forward's activations
+GRADIENT_KINDS = (Kind.B, Kind.W)  # finish a microbatch's weight gradient (what freezing skips)
 _ACTION_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 

@@ -1,8 +1,8 @@
-"""One step's DAG (sim.dag, networkx) as the arrays the freeze LP is written over.
+"""The step graph (sim/graph.py) plus freezable durations: the arrays the freeze LP is written over.
 
 Node i < len(actions) is `actions[i]`, in per-rank order. Each node has an unfrozen duration w_max and a
 fully frozen duration w_min (equal unless the node is freezable: B, or W when backward is split). Edges keep
-sim.dag's precedence with its transfer delays, minus same-rank edges already implied by the rank's order
+the step graph's precedence with its transfer delays, minus same-rank edges already implied by the rank's order
 (F -> B of one stage and microbatch, I -> W, and F(s) -> F(s+1) when both chunks share a rank), which would
 only be redundant LP rows.
 
@@ -26,8 +26,6 @@ the order from the planned step's simulation and re-solves if it changed (solver
 
 from __future__ import annotations
 
-import itertools
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,13 +33,25 @@ import numpy as np
 
 from sim.config import FreezeConfig
 from sim.costs import CostTable
-from sim.dag import build_dag
 from sim.engine import SimResult
-from sim.ir import Action, Kind, Schedule
-from sim.memory import MemoryPlan
+from sim.graph import (
+    CopyItem,
+    CopyOrder,
+    GraphBuilder,
+    NodeKind,
+    StepGraph,
+    action_durations,
+    add_copies,
+    add_links,
+    add_precedence,
+    links_can_queue,
+)
+from sim.ir import BACKWARD_KINDS, GRADIENT_KINDS, Action, Kind, Schedule
+from sim.memory_plan import MemoryPlan
 from solver.errors import FreezeInputError
 
-FREEZABLE_KINDS = (Kind.B, Kind.W)
+FREEZABLE_KINDS = GRADIENT_KINDS  # B and W compute weight gradients: what freezing skips
+__all__ = ["CopyItem", "CopyOrder", "FreezeDag", "build_freeze_dag", "copy_order", "freeze_bounds"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,7 @@ class FreezeDag:
     link_nodes: int  # transfer nodes added for queueing links (0: plain DAG is exact)
     copy_nodes: int = 0  # copy-engine nodes (offloads, prefetches, optimizer-step copies)
     copies: CopyOrder | None = None  # the copy order those nodes are chained in (None: no copies)
+    graph: StepGraph | None = None  # the step graph these arrays are (node kinds, copy-node keys)
 
     @property
     def n_actions(self) -> int:
@@ -166,18 +177,9 @@ def freeze_bounds(costs: CostTable, freeze: FreezeConfig) -> tuple[np.ndarray, n
     return b_min, w_min
 
 
-CopyItem = tuple[str, "Action | int"]  # ("offload", F) | ("prefetch", B/I) | ("step", chunk)
-CopyOrder = dict[tuple[int, str], list[CopyItem]]  # (rank, "d2h" | "h2d") -> items in grant order
-
-
 def copy_order(result: SimResult) -> CopyOrder | None:
     """Per rank and stream, the copies in the order the engine granted them; None if the step made none."""
-    if not result.copies:
-        return None
-    order: CopyOrder = defaultdict(list)
-    for c in result.copies:
-        order[(c.rank, c.stream)].append((c.what, c.action if c.action is not None else c.stage))
-    return dict(order)
+    return result.copy_order()
 
 
 def build_freeze_dag(
@@ -198,192 +200,36 @@ def build_freeze_dag(
             f"freeze.curve: has {len(curves)} per-chunk curves; give one curve or one per chunk "
             f"(pipeline.stages * pipeline.virtual_stages = {chunks})"
         )
-    g = build_dag(schedule, costs)
-    actions = tuple(a for rank in schedule.ranks for a in rank)
-    index = {a: i for i, a in enumerate(actions)}
-    rank_of = np.fromiter((schedule.stage_to_rank[a.stage] for a in actions), np.int64, len(actions))
-    w_max = np.fromiter((costs.duration(a) for a in actions), np.float64, len(actions))
+    g = GraphBuilder(schedule, action_durations(schedule, costs))
+    actions = g.structure.actions
+    w_max = np.asarray(g.duration)
     w_min = w_max.copy()
     freezable = np.fromiter((i for i, a in enumerate(actions) if a.kind in FREEZABLE_KINDS), np.int64)
     for i in freezable:
         a = actions[i]
         w_min[i] = b_min[a.stage] if a.kind is Kind.B else wt_min[a.stage]
     if recompute_s is not None and recompute_s.any():
-        extra = np.fromiter((recompute_s[a.stage] if a.kind in (Kind.B, Kind.I) else 0.0 for a in actions),
+        extra = np.fromiter((recompute_s[a.stage] if a.kind in BACKWARD_KINDS else 0.0 for a in actions),
                             np.float64, len(actions))
         w_max += extra
         w_min += extra
+    g.duration = w_max.tolist()
 
-    us, vs, ds = [], [], []
-    for u, v, delay in g.edges(data="delay"):
-        iu, iv = index[u], index[v]
-        if rank_of[iu] == rank_of[iv] and iu < iv and iv != iu + 1:
-            continue  # implied by the rank's own order
-        us.append(iu)
-        vs.append(iv)
-        ds.append(delay)
-    edge_u, edge_v = np.asarray(us, np.int64), np.asarray(vs, np.int64)
-    edge_delay = np.asarray(ds, np.float64)
-    offsets = np.cumsum([0] + [len(r) for r in schedule.ranks])
-    sinks = offsets[1:][np.diff(offsets) > 0] - 1
-
-    cross = rank_of[edge_u] != rank_of[edge_v]
-    link_nodes = 0
-    if (
-        costs.p2p_s > 0
-        and cross.any()
-        and _links_can_queue(edge_u[cross], edge_v[cross], rank_of, w_min, costs.p2p_s)
-    ):
-        edge_u, edge_v, edge_delay, w_max, w_min, link_nodes = _with_link_nodes(
-            edge_u, edge_v, edge_delay, cross, rank_of, w_max, w_min, costs.p2p_s
-        )
-    copy_nodes = 0
+    add_precedence(g, costs.p2p_s, implied=False)
+    if links_can_queue(g, w_min, costs.p2p_s):
+        add_links(g, costs.p2p_s)
     if memory is not None and memory.uses_copy_engines:
         if copies is None:
             raise ValueError("build_freeze_dag: a memory plan with copies needs the copy order (copy_order)")
-        graph = _CopyGraph(actions, index, len(w_max), edge_u, edge_v, edge_delay)
-        graph.add_copies(schedule, memory, copies)
-        edge_u, edge_v, edge_delay, extra = graph.arrays()
-        w_max, w_min = np.concatenate([w_max, extra]), np.concatenate([w_min, extra])
-        sinks = np.concatenate([sinks, np.asarray(graph.step_ends, np.int64)])
-        copy_nodes = len(extra)
+        add_copies(g, memory, copies)
+    graph = g.build()
+    fixed = graph.duration[len(actions):]  # transfer and copy nodes take what they take
+    link_nodes, copy_nodes = graph.count(NodeKind.TRANSFER), graph.n_nodes - len(actions) - graph.count(
+        NodeKind.TRANSFER)
     return FreezeDag(
-        schedule, actions, w_max, w_min, freezable, edge_u, edge_v, edge_delay, sinks, curves, link_nodes,
-        copy_nodes, copies if copy_nodes else None,
+        schedule, actions, graph.duration, np.concatenate([w_min, fixed]), freezable, graph.edge_u, graph.edge_v,
+        graph.edge_delay, graph.sinks, curves, link_nodes, copy_nodes, copies if copy_nodes else None, graph,
     )
-
-
-class _CopyGraph:
-    """The step's edges plus copy-engine nodes (module docstring): node keys are ("offload", F),
-    ("prefetch", B/I), ("step-d2h" | "step-host" | "step-h2d", chunk)."""
-
-    def __init__(self, actions: tuple[Action, ...], index: dict[Action, int], n_nodes: int,
-                 edge_u: np.ndarray, edge_v: np.ndarray, edge_delay: np.ndarray):
-        self.actions, self.index, self.n = actions, index, n_nodes
-        self.u, self.v, self.delay = edge_u.tolist(), edge_v.tolist(), edge_delay.tolist()
-        self.in_edges: dict[int, list[int]] = defaultdict(list)
-        for k, v in enumerate(self.v):
-            self.in_edges[v].append(k)
-        self.node: dict[tuple[str, object], int] = {}
-        self.duration: list[float] = []
-        self.step_ends: list[int] = []  # each chunk's last optimizer-step copy: a sink
-
-    def add_node(self, key: tuple[str, object], seconds: float) -> int:
-        self.node[key] = self.n + len(self.duration)
-        self.duration.append(float(seconds))
-        return self.node[key]
-
-    def add_edge(self, u: int, v: int, delay: float = 0.0) -> None:
-        self.in_edges[v].append(len(self.u))
-        self.u.append(u)
-        self.v.append(v)
-        self.delay.append(delay)
-
-    def add_copies(self, schedule: Schedule, mem: MemoryPlan, copies: CopyOrder) -> None:
-        if mem.offloads:
-            self._activation_copies(mem)
-        if mem.has_step_copies:
-            self._step_copies(mem)
-        for (_rank, stream), items in copies.items():  # FIFO chains in grant order
-            chain = [self.node[("step-" + stream, x) if what == "step" else (what, x)] for what, x in items]
-            for u, v in itertools.pairwise(chain):
-                self.add_edge(u, v)
-        if mem.offloads:
-            self._gates_and_prefetch_issue(schedule, mem.prefetch_lookahead)
-
-    def _activation_copies(self, mem: MemoryPlan) -> None:
-        """An offload after every F, a prefetch before every B/I (after that F's offload)."""
-        nvme = mem.offload_nvme if mem.offload_nvme is not None else np.zeros(len(mem.offload_bytes), bool)
-        copy_s = mem.offload_bytes / np.where(nvme, mem.nvme_bps, mem.host_link_bps)  # per chunk
-        for a in self.actions:
-            if a.kind is Kind.F:
-                self.add_edge(self.index[a], self.add_node(("offload", a), copy_s[a.stage]))
-        for a in self.actions:
-            if a.kind in (Kind.B, Kind.I):
-                q = self.add_node(("prefetch", a), copy_s[a.stage])
-                self.add_edge(self.node[("offload", Action(a.stage, Kind.F, a.microbatch))], q)
-                self.add_edge(q, self.index[a])
-
-    def _step_copies(self, mem: MemoryPlan) -> None:
-        """Gradients out, the host's optimizer step, weights back: after each chunk's last B/W."""
-        last: dict[int, int] = {}
-        for i, a in enumerate(self.actions):
-            if a.kind in (Kind.B, Kind.W):
-                last[a.stage] = i
-        for c, i in last.items():
-            d2h = self.add_node(("step-d2h", c), mem.step_d2h_bytes[c] / mem.host_link_bps)
-            host = self.add_node(("step-host", c), mem.step_host_s[c])
-            h2d = self.add_node(("step-h2d", c), mem.step_h2d_bytes[c] / mem.host_link_bps)
-            self.add_edge(i, d2h)
-            self.add_edge(d2h, host)
-            self.add_edge(host, h2d)
-            self.step_ends.append(h2d)
-
-    def _gates_and_prefetch_issue(self, schedule: Schedule, lookahead: int) -> None:
-        """F_j waits for the offload of F_(j-2); a prefetch starts no earlier than the action `lookahead`
-        places before its B/I starts, i.e. after every in-edge of that action (added last, so complete)."""
-        for rank_actions in schedule.ranks:
-            forwards = [self.index[a] for a in rank_actions if a.kind is Kind.F]
-            for j in range(2, len(forwards)):
-                self.add_edge(self.node[("offload", self.actions[forwards[j - 2]])], forwards[j])
-        issue = []
-        for rank_actions in schedule.ranks:
-            for pos, a in enumerate(rank_actions):
-                if a.kind in (Kind.B, Kind.I):
-                    ahead = self.index[rank_actions[max(pos - lookahead, 0)]]
-                    q = self.node[("prefetch", a)]
-                    issue += [(self.u[k], q, self.delay[k]) for k in self.in_edges[ahead]]
-        for u, v, delay in issue:
-            self.add_edge(u, v, delay)
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Edges (u, v, delay) and the copy nodes' durations."""
-        return (np.asarray(self.u, np.int64), np.asarray(self.v, np.int64), np.asarray(self.delay, np.float64),
-                np.asarray(self.duration, np.float64))
-
-
-
-
-
-def _links_can_queue(
-    edge_u: np.ndarray, edge_v: np.ndarray, rank_of: np.ndarray, w_min: np.ndarray, p2p_s: float
-) -> bool:
-    """Can a transfer ever wait for the previous one on its link? Sends a < b on one link finish at least
-    the fully frozen durations of actions a+1..b apart; no wait is possible when every such gap >= p2p_s."""
-    prefix = np.concatenate([[0.0], np.cumsum(w_min)])  # prefix[i] = sum of w_min[:i]
-    links: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for u, v in zip(edge_u.tolist(), edge_v.tolist(), strict=True):
-        links[(int(rank_of[u]), int(rank_of[v]))].append(u)
-    for senders in links.values():
-        a = np.sort(np.asarray(senders))
-        if a.size > 1 and (prefix[a[1:] + 1] - prefix[a[:-1] + 1]).min() < p2p_s:
-            return True
-    return False
-
-
-def _with_link_nodes(edge_u, edge_v, edge_delay, cross, rank_of, w_max, w_min, p2p_s):
-    """Replace each cross-rank edge u -> v by u -> x -> v with a transfer node x, chained per link."""
-    n = len(w_max)
-    cu, cv = edge_u[cross], edge_v[cross]
-    order = np.argsort(cu, kind="stable")  # a link's sends leave in the sending rank's order
-    cu, cv = cu[order], cv[order]
-    x = n + np.arange(len(cu))
-    us = [edge_u[~cross], cu, x]
-    vs = [edge_v[~cross], x, cv]
-    last_on_link: dict[tuple[int, int], int] = {}
-    chain_u, chain_v = [], []
-    for xi, u, v in zip(x, cu, cv, strict=True):
-        link = (int(rank_of[u]), int(rank_of[v]))
-        if link in last_on_link:
-            chain_u.append(last_on_link[link])
-            chain_v.append(int(xi))
-        last_on_link[link] = int(xi)
-    us.append(np.asarray(chain_u, np.int64))
-    vs.append(np.asarray(chain_v, np.int64))
-    new_u, new_v = np.concatenate(us), np.concatenate(vs)
-    delay = np.concatenate([edge_delay[~cross], np.zeros(len(new_u) - int((~cross).sum()))])
-    xdur = np.full(len(cu), p2p_s)
-    return new_u, new_v, delay, np.concatenate([w_max, xdur]), np.concatenate([w_min, xdur]), len(cu)
 
 
 def _per_chunk(value: float | list[float], chunks: int) -> np.ndarray:

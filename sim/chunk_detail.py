@@ -1,0 +1,28 @@
+"""Per-chunk detail behind a cost table: layer costs, model-state parts and host tiers (what memory policies
+need beyond the step's durations). Its own module so that sim/costs.py and sim/cost_model.py both import it
+without importing each other."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ChunkDetail:
+    """What memory policies need beyond the step costs: per-chunk layer costs, model-state parts, host tiers."""
+
+    layers: np.ndarray  # layers in each chunk
+    layer_activation_bytes: np.ndarray  # per layer and microbatch, no recomputation
+    layer_checkpoint_bytes: np.ndarray  # per layer and microbatch under full recomputation (its input)
+    layer_forward_s: np.ndarray
+    attention_activation_bytes: np.ndarray  # per layer: what selective recomputation drops
+    attention_forward_s: np.ndarray  # per layer: what selective recomputation redoes
+    state_bytes: dict[str, np.ndarray]  # per chunk: weights, gradients, master_weights, optimizer
+    host_link_bps: float = 32e9  # per direction, one copy engine each way
+    dram_bytes: float = math.inf
+    dram_bps: float = 32e9
+    nvme_bytes: float = math.inf
+    nvme_bps: float = 3e9

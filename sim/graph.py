@@ -1,0 +1,392 @@
+"""The step graph: the rules of one training step, written once, that the engine, the LPs and the runtime read.
+
+What an action waits for is one rule (`data_inputs`): F(s, mb) consumes F(s-1, mb)'s activation; B or I
+(s, mb) consumes its own F(s, mb) and the input gradient of the backward (B or I) of (s+1, mb); W(s, mb)
+consumes I(s, mb). A rank runs its actions in the schedule's order. Everything else is built on that:
+
+    StepStructure   the schedule alone, as index arrays (cached on the schedule): per action its rank, its
+                    inputs (and whether each crosses stages, so travels a link when the stages' ranks differ),
+                    its own forward (for B/I), and the action after which each chunk's optimizer step runs.
+                    The SimPy engine (sim/engine.py) runs this; the runtime asks it what an action receives.
+    StepGraph       the structure timed: nodes with durations, edges u -> v meaning start(v) >= finish(u) +
+                    delay, as arrays. Node kinds are compute actions, link transfers and copy-engine copies
+                    (activation offload / prefetch, the optimizer step's copies). The freeze LP
+                    (solver/freeze_dag.py) is this graph plus freezable durations; the memory MILP writes its
+                    precedence rows over these edges; sim/dag.py turns it into networkx for a longest path.
+
+Adding a kind of node is one builder: a function that takes a `GraphBuilder`, adds its nodes with their
+durations (`add_node(kind, key, seconds)`) and its edges, as `add_links`, `add_activation_copies` and
+`add_step_copies` do below.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from sim.costs import CostTable
+from sim.ir import BACKWARD_KINDS, GRADIENT_KINDS, Action, Kind, Schedule
+from sim.memory_plan import MemoryPlan
+
+CopyItem = tuple[str, "Action | int"]  # ("offload", F) | ("prefetch", B/I) | ("step", chunk)
+CopyOrder = dict[tuple[int, str], list[CopyItem]]  # (rank, "d2h" | "h2d") -> items in grant order
+
+
+class NodeKind(IntEnum):
+    COMPUTE = 0  # an action of the schedule (F, B, I, W)
+    TRANSFER = 1  # a cross-rank result on its FIFO link (p2p_s)
+    OFFLOAD = 2  # a forward's offloaded activations, device -> host
+    PREFETCH = 3  # the same bytes back, host -> device, before the backward
+    STEP_D2H = 4  # the optimizer step with states on the host: gradients out
+    STEP_HOST = 5  # the host's optimizer work
+    STEP_H2D = 6  # updated weights back
+
+
+# ---- the rule ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Input:
+    """What an action consumes: the result of the action of `kinds` at (stage, microbatch)."""
+
+    stage: int
+    kinds: tuple[Kind, ...]
+    microbatch: int
+    crosses_stage: bool  # another stage's result (a P2P message when the stages sit on different ranks)
+
+
+def data_inputs(a: Action, num_stages: int) -> tuple[Input, ...]:
+    """What `a` waits for besides its rank's order (module docstring); B/I list their own F first."""
+    if a.kind is Kind.F:
+        return (Input(a.stage - 1, (Kind.F,), a.microbatch, True),) if a.stage > 0 else ()
+    if a.kind is Kind.W:
+        return (Input(a.stage, (Kind.I,), a.microbatch, False),)
+    own = Input(a.stage, (Kind.F,), a.microbatch, False)
+    if a.stage < num_stages - 1:
+        return own, Input(a.stage + 1, BACKWARD_KINDS, a.microbatch, True)
+    return (own,)
+
+
+def cross_stage_input(a: Action, num_stages: int) -> Input | None:
+    """The one input of `a` produced by another stage (F: s-1's activation, B/I: s+1's gradient), or None."""
+    for x in data_inputs(a, num_stages):
+        if x.crosses_stage:
+            return x
+    return None
+
+
+# ---- the schedule as index arrays --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepStructure:
+    """Schedule-only facts, node i = `actions[i]` (rank by rank, in each rank's order)."""
+
+    actions: tuple[Action, ...]
+    index: dict[Action, int]
+    rank_of: list[int]
+    rank_offsets: list[int]  # rank r runs nodes rank_offsets[r] .. rank_offsets[r+1]-1
+    deps: list[tuple[tuple[int, bool], ...]]  # per node: (producer, crosses stage), as data_inputs orders them
+    consumer_rank: list[int]  # rank of the node's cross-stage consumer, -1 if none
+    forward_of: list[int]  # for B/I: its own F; -1 otherwise
+    last_backward: dict[int, int]  # chunk -> its last B/W node: the chunk's optimizer step follows it
+
+    @property
+    def n_actions(self) -> int:
+        return len(self.actions)
+
+    def rank_nodes(self, rank: int) -> range:
+        return range(self.rank_offsets[rank], self.rank_offsets[rank + 1])
+
+    def inputs(self, a: Action) -> list[Action]:
+        """The actions whose results `a` waits for (the runtime's and the calibration's question)."""
+        return [self.actions[j] for j, _ in self.deps[self.index[a]]]
+
+    def forwards(self, rank: int) -> list[int]:
+        """The rank's F nodes in its order (the order its activation copies leave in)."""
+        return [i for i in self.rank_nodes(rank) if self.actions[i].kind is Kind.F]
+
+
+def step_structure(schedule: Schedule) -> StepStructure:
+    """The schedule's structure, built once per Schedule object and kept on it (schedules are immutable)."""
+    cached = schedule.__dict__.get("_step_structure")
+    if cached is None:
+        cached = schedule.__dict__["_step_structure"] = _build_structure(schedule)
+    return cached
+
+
+def _build_structure(schedule: Schedule) -> StepStructure:
+    s2r = schedule.stage_to_rank
+    actions = tuple(a for r in schedule.ranks for a in r)
+    index = {a: i for i, a in enumerate(actions)}
+    n, n_stages = len(actions), schedule.num_stages
+    deps: list[tuple[tuple[int, bool], ...]] = []
+    consumer_rank = [-1] * n
+    forward_of = [-1] * n
+    for i, a in enumerate(actions):
+        found = []
+        for x in data_inputs(a, n_stages):
+            j = next((index[p] for k in x.kinds if (p := Action(x.stage, k, x.microbatch)) in index), None)
+            if j is None:
+                continue
+            found.append((j, x.crosses_stage))
+            if x.crosses_stage:
+                consumer_rank[j] = s2r[a.stage]
+            elif a.kind in BACKWARD_KINDS:
+                forward_of[i] = j
+        deps.append(tuple(found))
+    last: dict[int, int] = {}
+    for i, a in enumerate(actions):
+        if a.kind in GRADIENT_KINDS:
+            last[a.stage] = i  # ranks' lists are in order, so the final assignment is the last one
+    offsets = list(itertools.accumulate((len(r) for r in schedule.ranks), initial=0))
+    return StepStructure(actions, index, [s2r[a.stage] for a in actions], offsets, deps, consumer_rank,
+                         forward_of, last)
+
+
+# ---- the timed graph ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepGraph:
+    """Nodes 0..n_actions-1 are the actions (StepStructure order), then any transfer and copy nodes."""
+
+    schedule: Schedule
+    structure: StepStructure
+    kind: np.ndarray  # (n_nodes,) NodeKind
+    duration: np.ndarray  # (n_nodes,) s
+    edge_u: np.ndarray  # (n_edges,) precedence u -> v: start(v) >= finish(u) + delay
+    edge_v: np.ndarray
+    edge_delay: np.ndarray
+    sinks: np.ndarray  # nodes whose finishes bound the step: each rank's last action, each optimizer step
+    keys: dict[tuple[str, object], int]  # extra nodes by key: ("offload", F), ("step-d2h", chunk), ...
+
+    @property
+    def actions(self) -> tuple[Action, ...]:
+        return self.structure.actions
+
+    @property
+    def n_actions(self) -> int:
+        return self.structure.n_actions
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.duration)
+
+    def count(self, *kinds: NodeKind) -> int:
+        return int(np.isin(self.kind, kinds).sum())
+
+
+class GraphBuilder:
+    """Nodes and edges being added; `build()` freezes them into a StepGraph."""
+
+    def __init__(self, schedule: Schedule, durations: np.ndarray):
+        self.schedule = schedule
+        self.structure = step_structure(schedule)
+        self.kind: list[int] = [NodeKind.COMPUTE] * len(durations)
+        self.duration: list[float] = durations.tolist()
+        self.u: list[int] = []
+        self.v: list[int] = []
+        self.delay: list[float] = []
+        self.in_edges: dict[int, list[int]] = defaultdict(list)
+        self.keys: dict[tuple[str, object], int] = {}
+        self.sinks = [end - 1 for start, end in itertools.pairwise(self.structure.rank_offsets) if end > start]
+
+    def add_node(self, kind: NodeKind, key: tuple[str, object] | None, seconds: float) -> int:
+        node = len(self.duration)
+        self.kind.append(kind)
+        self.duration.append(float(seconds))
+        if key is not None:
+            self.keys[key] = node
+        return node
+
+    def add_edge(self, u: int, v: int, delay: float = 0.0) -> None:
+        self.in_edges[v].append(len(self.u))
+        self.u.append(u)
+        self.v.append(v)
+        self.delay.append(delay)
+
+    def set_edges(self, u: np.ndarray, v: np.ndarray, delay: np.ndarray) -> None:
+        """Replace every edge (a builder that rewrites edges, e.g. add_links)."""
+        self.u, self.v, self.delay = u.tolist(), v.tolist(), delay.tolist()
+        self.in_edges = defaultdict(list)
+        for k, x in enumerate(self.v):
+            self.in_edges[x].append(k)
+
+    def build(self) -> StepGraph:
+        return StepGraph(
+            self.schedule, self.structure, np.asarray(self.kind, np.int8), np.asarray(self.duration, np.float64),
+            np.asarray(self.u, np.int64), np.asarray(self.v, np.int64), np.asarray(self.delay, np.float64),
+            np.asarray(self.sinks, np.int64), self.keys,
+        )
+
+
+def action_durations(schedule: Schedule, costs: CostTable, memory: MemoryPlan | None = None) -> np.ndarray:
+    """(n_actions,) each action's time: the cost table's, plus the plan's recomputation before B and I."""
+    st = step_structure(schedule)
+    dur = np.fromiter((costs.duration(a) for a in st.actions), np.float64, st.n_actions)
+    if memory is not None and memory.recompute_s.any():
+        dur += np.fromiter((memory.recompute_s[a.stage] if a.kind in BACKWARD_KINDS else 0.0 for a in st.actions),
+                           np.float64, st.n_actions)
+    return dur
+
+
+def add_precedence(g: GraphBuilder, p2p_s: float, implied: bool = True) -> None:
+    """Each rank's order and every data input; a cross-rank input carries `p2p_s`. With `implied` False,
+    same-rank edges already implied by the rank's order (F -> B of one stage, I -> W, F(s) -> F(s+1) on one
+    rank) are left out: they would only be redundant LP rows. Edges come out grouped by producer, the rank
+    successor first, then consumers in node order (networkx's order for the same graph)."""
+    st = g.structure
+    rank_of = st.rank_of
+    n = st.n_actions
+    succ: list[list[int]] = [[] for _ in range(n)]
+    for start, end in itertools.pairwise(st.rank_offsets):
+        for i in range(start, end - 1):
+            succ[i].append(i + 1)
+    for v, deps in enumerate(st.deps):
+        for u, _cross in deps:
+            if v != u + 1 or rank_of[u] != rank_of[v]:
+                succ[u].append(v)
+    for u in range(n):
+        for v in succ[u]:
+            same = rank_of[u] == rank_of[v]
+            if not implied and same and v != u + 1:
+                continue
+            g.add_edge(u, v, 0.0 if same else p2p_s)
+
+
+def add_links(g: GraphBuilder, p2p_s: float) -> None:
+    """Every cross-rank edge u -> v becomes u -> x -> v with a transfer node x (p2p_s), and each link's
+    transfers a FIFO chain. A link's sends all come from one rank, so their order is that rank's order."""
+    u, v, delay = np.asarray(g.u, np.int64), np.asarray(g.v, np.int64), np.asarray(g.delay, np.float64)
+    rank_of = np.asarray(g.structure.rank_of)  # every node is still an action here
+    cross = rank_of[u] != rank_of[v]
+    cu, cv = u[cross], v[cross]
+    order = np.argsort(cu, kind="stable")
+    cu, cv = cu[order], cv[order]
+    x = np.asarray([g.add_node(NodeKind.TRANSFER, None, p2p_s) for _ in range(len(cu))], np.int64)
+    last_on_link: dict[tuple[int, int], int] = {}
+    chain_u, chain_v = [], []
+    for xi, a, b in zip(x.tolist(), cu.tolist(), cv.tolist(), strict=True):
+        link = (int(rank_of[a]), int(rank_of[b]))
+        if link in last_on_link:
+            chain_u.append(last_on_link[link])
+            chain_v.append(xi)
+        last_on_link[link] = xi
+    new_u = np.concatenate([u[~cross], cu, x, np.asarray(chain_u, np.int64)])
+    new_v = np.concatenate([v[~cross], x, cv, np.asarray(chain_v, np.int64)])
+    new_delay = np.concatenate([delay[~cross], np.zeros(len(new_u) - int((~cross).sum()))])
+    g.set_edges(new_u, new_v, new_delay)
+
+
+def links_can_queue(g: GraphBuilder, shortest: np.ndarray, p2p_s: float) -> bool:
+    """Can a transfer ever wait for the previous one on its link, when actions take at least `shortest`?
+    Sends a < b on one link finish at least shortest[a+1..b] apart; no wait is possible when every such gap
+    is >= p2p_s, and then the plain edges with their p2p_s delay are exact."""
+    if p2p_s <= 0:
+        return False
+    rank_of = g.structure.rank_of
+    prefix = np.concatenate([[0.0], np.cumsum(shortest)])  # prefix[i] = sum of shortest[:i]
+    links: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for u, v in zip(g.u, g.v, strict=True):
+        if rank_of[u] != rank_of[v]:
+            links[(rank_of[u], rank_of[v])].append(u)
+    for senders in links.values():
+        a = np.sort(np.asarray(senders))
+        if a.size > 1 and (prefix[a[1:] + 1] - prefix[a[:-1] + 1]).min() < p2p_s:
+            return True
+    return False
+
+
+# ---- copy-engine nodes: each rank has one d2h and one h2d stream, FIFO in the order `copies` gives ----------
+def add_copies(g: GraphBuilder, mem: MemoryPlan, copies: CopyOrder) -> None:
+    """The plan's copy nodes, chained per rank and stream in grant order, then the offload gates and the
+    prefetch issue points (sim/engine.py's stream semantics)."""
+    if mem.offloads:
+        add_activation_copies(g, mem)
+    if mem.has_step_copies:
+        add_step_copies(g, mem)
+    for (_rank, stream), items in copies.items():
+        chain = [g.keys[("step-" + stream, x) if what == "step" else (what, x)] for what, x in items]
+        for u, v in itertools.pairwise(chain):
+            g.add_edge(u, v)
+    if mem.offloads:
+        add_offload_gates(g, mem.prefetch_lookahead)
+
+
+def add_activation_copies(g: GraphBuilder, mem: MemoryPlan) -> None:
+    """An offload after every F, a prefetch before every B/I (after that F's offload)."""
+    st = g.structure
+    nvme = mem.offload_nvme if mem.offload_nvme is not None else np.zeros(len(mem.offload_bytes), bool)
+    copy_s = mem.offload_bytes / np.where(nvme, mem.nvme_bps, mem.host_link_bps)  # per chunk
+    for i, a in enumerate(st.actions):
+        if a.kind is Kind.F:
+            g.add_edge(i, g.add_node(NodeKind.OFFLOAD, ("offload", a), copy_s[a.stage]))
+    for i, a in enumerate(st.actions):
+        if a.kind in BACKWARD_KINDS:
+            q = g.add_node(NodeKind.PREFETCH, ("prefetch", a), copy_s[a.stage])
+            g.add_edge(g.keys[("offload", st.actions[st.forward_of[i]])], q)
+            g.add_edge(q, i)
+
+
+def add_step_copies(g: GraphBuilder, mem: MemoryPlan) -> None:
+    """Gradients out, the host's optimizer step, weights back: after each chunk's last B/W; each ends the step."""
+    for c, i in g.structure.last_backward.items():
+        d2h = g.add_node(NodeKind.STEP_D2H, ("step-d2h", c), mem.step_d2h_bytes[c] / mem.host_link_bps)
+        host = g.add_node(NodeKind.STEP_HOST, ("step-host", c), mem.step_host_s[c])
+        h2d = g.add_node(NodeKind.STEP_H2D, ("step-h2d", c), mem.step_h2d_bytes[c] / mem.host_link_bps)
+        g.add_edge(i, d2h)
+        g.add_edge(d2h, host)
+        g.add_edge(host, h2d)
+        g.sinks.append(h2d)
+
+
+def prefetch_issuer(schedule: Schedule, lookahead: int) -> dict[int, int]:
+    """B/I node -> the node whose start issues its prefetch: the action `lookahead` places before it on its
+    rank (the first action for the first few)."""
+    st = step_structure(schedule)
+    issuer = {}
+    for r in range(schedule.num_ranks):
+        nodes = st.rank_nodes(r)
+        for pos, i in enumerate(nodes):
+            if st.actions[i].kind in BACKWARD_KINDS:
+                issuer[i] = nodes[max(pos - lookahead, 0)]
+    return issuer
+
+
+def add_offload_gates(g: GraphBuilder, lookahead: int) -> None:
+    """F_j waits for the offload of F_(j-2) (two pinned buffers); a prefetch starts no earlier than its
+    issuer starts, i.e. after every in-edge of the issuer (added last, so complete)."""
+    st = g.structure
+    for r in range(g.schedule.num_ranks):
+        forwards = st.forwards(r)
+        for j in range(2, len(forwards)):
+            g.add_edge(g.keys[("offload", st.actions[forwards[j - 2]])], forwards[j])
+    issue = []
+    for b, ahead in prefetch_issuer(g.schedule, lookahead).items():
+        q = g.keys[("prefetch", st.actions[b])]
+        issue += [(g.u[k], q, g.delay[k]) for k in g.in_edges[ahead]]
+    for u, v, delay in issue:
+        g.add_edge(u, v, delay)
+
+
+def build_step_graph(
+    schedule: Schedule,
+    costs: CostTable,
+    memory: MemoryPlan | None = None,
+    copies: CopyOrder | None = None,
+    *,
+    durations: np.ndarray | None = None,
+    implied: bool = True,
+    links: bool = False,
+) -> StepGraph:
+    """The step as a graph: compute nodes (`durations`, default action_durations), precedence with transfer
+    delays, transfer nodes on FIFO links if `links`, and a copying `memory` plan's copy nodes in the grant
+    order `copies` (a simulated step's, SimResult.copy_order())."""
+    g = GraphBuilder(schedule, action_durations(schedule, costs, memory) if durations is None else durations)
+    add_precedence(g, costs.p2p_s, implied)
+    if links:
+        add_links(g, costs.p2p_s)
+    if memory is not None and memory.uses_copy_engines:
+        if copies is None:
+            raise ValueError("build_step_graph: a memory plan with copies needs the copy order (copy_order)")
+        add_copies(g, memory, copies)
+    return g.build()

@@ -1,0 +1,60 @@
+"""The memory plan the engine runs under: per-chunk arrays of what each chunk keeps, recomputes and offloads,
+and where model states live (sim/memory.py resolves a scenario's [memory] table into one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sim.costs import CostTable
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    kept_bytes: np.ndarray  # HBM per microbatch from F until B/I ends (before offload)
+    transient_bytes: np.ndarray  # extra HBM while B/I runs (recomputation working set)
+    recompute_s: np.ndarray  # extra time before B/I
+    offload_bytes: np.ndarray  # part of kept_bytes copied to host after F, prefetched before B/I
+    offload_nvme: np.ndarray | None = None  # per chunk: True if its offloaded activations go to NVMe, not DRAM
+    static_hbm_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    static_host_bytes: dict[str, np.ndarray] = field(default_factory=dict)  # "dram"/"nvme" -> per chunk
+    step_d2h_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))  # after each chunk's last backward
+    step_host_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # host optimizer work per chunk
+    step_h2d_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    prefetch_lookahead: int = 2
+    hbm_limit_bytes: float = float("inf")  # capacity - margin
+    policy: tuple[str, ...] = ()  # per chunk, for reports
+    host_link_bps: float = 32e9
+    nvme_bps: float = 3e9
+
+    @property
+    def offloads(self) -> bool:
+        return bool(self.offload_bytes.any())
+
+    @property
+    def has_step_copies(self) -> bool:
+        return bool(self.step_d2h_bytes.any() or self.step_h2d_bytes.any())
+
+    @property
+    def uses_copy_engines(self) -> bool:
+        """Activation offload or the optimizer step's copies: the step's timing depends on the copy engines."""
+        return self.offloads or self.has_step_copies
+
+
+def keep_everything(costs: CostTable) -> MemoryPlan:
+    """The default plan: every activation stays in HBM, every model state too."""
+    n = costs.num_chunks
+    return MemoryPlan(
+        kept_bytes=costs.activation_bytes.astype(float),
+        transient_bytes=np.zeros(n),
+        recompute_s=np.zeros(n),
+        offload_bytes=np.zeros(n),
+        offload_nvme=np.zeros(n, dtype=bool),
+        static_hbm_bytes=costs.static_bytes.astype(float),
+        step_d2h_bytes=np.zeros(n),
+        step_host_s=np.zeros(n),
+        step_h2d_bytes=np.zeros(n),
+        hbm_limit_bytes=costs.hbm_bytes,
+        policy=("none",) * n,
+    )
