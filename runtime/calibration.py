@@ -23,6 +23,7 @@ import statistics
 
 from runtime.train import StepRecord
 from sim.errors import PipeplanError
+from sim.graph import cross_stage_input
 from sim.ir import Action, Kind, Schedule
 
 
@@ -33,12 +34,10 @@ def steady_steps(history: list[StepRecord], phases: tuple[str, ...] = ("off", "s
 
 
 def input_of(a: Action, num_stages: int) -> tuple[int, int] | None:
-    """(stage, microbatch) of the cross-stage producer of `a` (its backward, for B/I), or None."""
-    if a.kind is Kind.F and a.stage > 0:
-        return (a.stage - 1, a.microbatch)
-    if a.kind in (Kind.B, Kind.I) and a.stage < num_stages - 1:
-        return (a.stage + 1, a.microbatch)
-    return None
+    """(stage, microbatch) of the cross-stage producer of `a` (its backward, for B/I), or None: the step
+    graph's rule (sim/graph.py)."""
+    x = cross_stage_input(a, num_stages)
+    return None if x is None else (x.stage, x.microbatch)
 
 
 def action_gaps(step_traces: list[list[tuple[Action, float, float]]], schedule: Schedule

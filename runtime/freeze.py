@@ -37,7 +37,7 @@ from torch import nn
 from runtime.executor import StepTrace
 from sim.config import FreezeConfig
 from sim.costs import CostTable
-from sim.ir import Kind, Schedule
+from sim.ir import GRADIENT_KINDS, Schedule
 
 Key = tuple[int, int]  # (stage, microbatch)
 
@@ -204,7 +204,7 @@ class Freezer:
         self.plan = dict.fromkeys(keys, 0.0)
         for node, ratio in zip(plan.dag.freezable.tolist(), plan.solution.ratio.tolist(), strict=True):
             a = plan.dag.actions[node]
-            if a.kind in (Kind.B, Kind.W):
+            if a.kind in GRADIENT_KINDS:
                 self.plan[(a.stage, a.microbatch)] = float(ratio)
         self.planned_makespan_s = plan.planned.makespan_s
 

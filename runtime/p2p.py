@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from sim.costs import CostTable
 from sim.engine import simulate
+from sim.graph import cross_stage_input
 from sim.ir import Action, Kind, Schedule
 
 
@@ -47,12 +48,10 @@ class Message:
 
 
 def input_message(action: Action, num_stages: int) -> Message | None:
-    """The message action consumes, if its producer is another stage (F: s-1's output; B/I: s+1's grad)."""
-    if action.kind is Kind.F:
-        return Message(False, action.stage - 1, action.microbatch) if action.stage > 0 else None
-    if action.kind in (Kind.B, Kind.I):
-        return Message(True, action.stage + 1, action.microbatch) if action.stage < num_stages - 1 else None
-    return None
+    """The message action consumes, if its producer is another stage (the step graph's rule, sim/graph.py:
+    F takes s-1's activation, B/I take s+1's input gradient)."""
+    x = cross_stage_input(action, num_stages)
+    return None if x is None else Message(action.kind is not Kind.F, x.stage, x.microbatch)
 
 
 def pair_sequences(schedule: Schedule) -> dict[frozenset[int], list[Message]]:
