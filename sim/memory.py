@@ -26,10 +26,16 @@ from sim.errors import ScenarioError
 from sim.ir import BACKWARD_KINDS, Kind, Schedule
 from sim.memory_plan import MemoryPlan, keep_everything
 
-__all__ = ["GIB", "RECOMPUTE", "MemoryPlan", "activation_arrays", "build_memory_plan", "keep_everything",
-           "with_states"]
+__all__ = ["GIB", "HOST_ADAM_BYTES_PER_PARAM", "RECOMPUTE", "MemoryPlan", "activation_arrays", "build_memory_plan",
+           "keep_everything", "with_states"]
 
 GIB = 2**30
+# Bytes of host memory traffic per parameter for one fp32 Adam step on the host: read the gradient (4), read
+# and write the master weight (8), the first moment m (8) and the second moment v (8). torch.optim.Adam's
+# update (`_single_tensor_adam`) touches exactly these four fp32 tensors; the step is memory-bound on a CPU,
+# so its time is this traffic over the DRAM (or NVMe) bandwidth, as ZeRO-Offload (Ren et al., 2021, sec. 4)
+# models its CPU optimizer.
+HOST_ADAM_BYTES_PER_PARAM = 4 + 2 * 4 + 2 * 4 + 2 * 4
 
 
 def activation_arrays(
@@ -158,7 +164,7 @@ def with_states(sc: Scenario, costs: CostTable, plan: MemoryPlan) -> MemoryPlan:
         d2h += 0 if mem.gradients != "hbm" else parts.get("gradients", zero)
         d2h += 2 * params if mem.gradients != "hbm" else 0
         bw = d.dram_bps if mem.optimizer == "dram" else d.nvme_bps
-        host_s += params * 28 / bw  # Adam on the host: read grad, read+write master, m, v (fp32)
+        host_s += params * HOST_ADAM_BYTES_PER_PARAM / bw
         h2d += parts.get("weights", zero)
     elif mem.master_weights != "hbm" or mem.gradients != "hbm":
         # GPU optimizer with host-resident master weights / gradient buffer: stream them in and out once

@@ -40,10 +40,11 @@ import numpy as np
 from sim.config import FreezeConfig, Scenario
 from sim.costs import CostTable, per_rank_sum
 from sim.engine import SimResult, simulate
-from sim.ir import Action, Kind, Schedule
-from sim.memory import MemoryPlan, activation_arrays, with_states
+from sim.graph import prefetch_issuer, step_structure
+from sim.ir import BACKWARD_KINDS, Kind, Schedule
+from sim.memory import HOST_ADAM_BYTES_PER_PARAM, MemoryPlan, activation_arrays, keep_everything, with_states
 from solver.errors import InfeasibleError, SolverError, VerificationError
-from solver.freeze_dag import build_freeze_dag
+from solver.freeze_dag import FreezeDag, build_freeze_dag
 from solver.highs import LinearProgram
 
 EPS = 1e-6
@@ -56,16 +57,58 @@ class MemoryInfeasibleError(InfeasibleError):
 
 
 @dataclass(frozen=True)
+class MemoryChoice:
+    """The MILP's integer decision: per chunk, layers recomputed / offloaded to DRAM / to NVMe; per rank,
+    whether its optimizer state and master weights live on the host. Plain data: it travels to the ranks."""
+
+    recompute_layers: np.ndarray  # (chunks,)
+    dram_layers: np.ndarray  # (chunks,)
+    nvme_layers: np.ndarray  # (chunks,)
+    states_on_host: np.ndarray  # (ranks,) bool
+
+    def to_dict(self) -> dict[str, list]:
+        return {"recompute_layers": [int(x) for x in self.recompute_layers],
+                "dram_layers": [int(x) for x in self.dram_layers], "nvme_layers": [int(x) for x in self.nvme_layers],
+                "states_on_host": [bool(x) for x in self.states_on_host]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, list]) -> MemoryChoice:
+        return cls(np.asarray(d["recompute_layers"], float), np.asarray(d["dram_layers"], float),
+                   np.asarray(d["nvme_layers"], float), np.asarray(d["states_on_host"], bool))
+
+
+@dataclass(frozen=True)
+class MilpSolution:
+    choice: MemoryChoice
+    makespan_s: float  # T
+    peak_hbm_bytes: float  # P
+    wall_s: float
+
+
+@dataclass(frozen=True)
 class MemoryPlanResult:
     plan: MemoryPlan
     predicted_makespan_s: float
     simulated: SimResult
-    recompute_layers: np.ndarray  # per chunk
-    dram_layers: np.ndarray
-    nvme_layers: np.ndarray
-    states_on_host: np.ndarray  # per rank
+    choice: MemoryChoice
     solve_wall_s: float
     rounds: int
+
+    @property
+    def recompute_layers(self) -> np.ndarray:
+        return self.choice.recompute_layers
+
+    @property
+    def dram_layers(self) -> np.ndarray:
+        return self.choice.dram_layers
+
+    @property
+    def nvme_layers(self) -> np.ndarray:
+        return self.choice.nvme_layers
+
+    @property
+    def states_on_host(self) -> np.ndarray:
+        return self.choice.states_on_host
 
 
 @dataclass(frozen=True)
@@ -85,7 +128,7 @@ def _positions(schedule: Schedule, lookahead: int) -> _Positions:
     for r, actions in enumerate(schedule.ranks):
         inflight: dict[tuple[int, int], None] = {}
         recent_f: list[tuple[int, int]] = []
-        backwards = [k for k, a in enumerate(actions) if a.kind in (Kind.B, Kind.I)]
+        backwards = [k for k, a in enumerate(actions) if a.kind in BACKWARD_KINDS]
         for k, a in enumerate(actions):
             key = (a.stage, a.microbatch)
             if a.kind is Kind.F:
@@ -104,8 +147,8 @@ def _positions(schedule: Schedule, lookahead: int) -> _Positions:
             rows_rank.append(r)
             rows_n.append(n_vec)
             rows_r.append(r_vec)
-            rows_b.append(a.stage if a.kind in (Kind.B, Kind.I) else -1)
-            if a.kind in (Kind.B, Kind.I):
+            rows_b.append(a.stage if a.kind in BACKWARD_KINDS else -1)
+            if a.kind in BACKWARD_KINDS:
                 inflight.pop(key, None)
             if a.kind is Kind.F:
                 recent_f.append(key)
@@ -126,20 +169,21 @@ def plan_memory(
     d = costs.detail
     if d is None:
         raise SolverError("memory planner: the cost table has no per-layer detail")
-    base = with_states(sc, costs, _keep_all(costs))
+    base = with_states(sc, costs, keep_everything(costs))
     lookahead = sc.memory.prefetch_lookahead
     slowdown = np.ones(costs.num_chunks)  # multiplies the modelled copy time per chunk, learnt from stalls
     limit = base.hbm_limit_bytes
     wall = 0.0
     for rnd in range(1, ROUNDS + 1):
-        sol, t_pred, solve_s = _solve(sc, costs, schedule, base, lookahead, slowdown, limit, allow_state_offload)
-        wall += solve_s
-        plan = _to_plan(sc, costs, schedule, base, sol, lookahead)
+        sol = _solve(sc, costs, schedule, base, lookahead, slowdown, limit, allow_state_offload)
+        t_pred = sol.makespan_s
+        wall += sol.wall_s
+        plan = plan_from_choice(sc, costs, schedule, base, sol.choice, lookahead)
         res = simulate(schedule, costs, memory=plan)
         fits = not (res.peak_hbm_bytes > base.hbm_limit_bytes * (1 + 1e-9)).any()
         close = abs(res.makespan_s - t_pred) <= TOLERANCE * t_pred
         if fits and close:
-            return MemoryPlanResult(plan, t_pred, res, sol["k"], sol["d"], sol["n"], sol["y"], wall, rnd)
+            return MemoryPlanResult(plan, t_pred, res, sol.choice, wall, rnd)
         if not fits:
             limit -= float((res.peak_hbm_bytes - base.hbm_limit_bytes).max())
         if res.stall_s is not None and res.makespan_s > t_pred:
@@ -153,148 +197,75 @@ def plan_memory(
 
 def smallest_hbm_bytes(sc: Scenario, costs: CostTable, schedule: Schedule, allow_state_offload: bool = True) -> float:
     """The least peak HBM any keep/recompute/offload plan reaches (capacity as a variable, minimised)."""
-    base = with_states(sc, costs, _keep_all(costs))
-    sol, _t, _w = _solve(sc, costs, schedule, base, sc.memory.prefetch_lookahead, np.ones(costs.num_chunks),
-                         None, allow_state_offload)
-    return float(sol["peak"])
+    base = with_states(sc, costs, keep_everything(costs))
+    sol = _solve(sc, costs, schedule, base, sc.memory.prefetch_lookahead, np.ones(costs.num_chunks), None,
+                 allow_state_offload)
+    return sol.peak_hbm_bytes
 
 
-def _keep_all(costs: CostTable) -> MemoryPlan:
-    from sim.memory import keep_everything
+@dataclass(frozen=True)
+class _Columns:
+    """The model's variables (column indices), shaped like the problem."""
 
-    return keep_everything(costs)
+    recompute: np.ndarray  # k_c
+    dram: np.ndarray  # d_c
+    nvme: np.ndarray  # n_c
+    recomputes: np.ndarray  # z_c
+    to_nvme: np.ndarray  # t_c
+    states_on_host: np.ndarray  # y_r
+    start: np.ndarray  # s_i, one per node of the step graph
+    makespan: int  # T
+    peak: int  # P
 
 
-def _solve(sc, costs, schedule, base: MemoryPlan, lookahead, slowdown, limit, allow_state_offload):
+@dataclass(frozen=True)
+class _Chunks:
+    """Per chunk, the coefficients the rows use (module docstring's names)."""
+
+    layers: np.ndarray  # L_c
+    act: np.ndarray  # a_c, bytes per layer
+    saved: np.ndarray  # a_c - q_c, bytes recomputation frees per layer
+    fwd: np.ndarray  # f_c, seconds per recomputed layer
+    copy_dram: np.ndarray  # seconds per DRAM-offloaded layer (slowdown included)
+    copy_nvme: np.ndarray  # seconds per NVMe-offloaded layer
+
+
+def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan, lookahead: int,
+           slowdown: np.ndarray, limit: float | None, allow_state_offload: bool) -> MilpSolution:
+    """Build the MILP (module docstring) over the step graph and solve it; `limit` None minimises HBM."""
     d = costs.detail
-    n_c, m = costs.num_chunks, schedule.num_microbatches
-    n_r = schedule.num_ranks
-    s2r = np.asarray(schedule.stage_to_rank)
+    n_c, n_r = costs.num_chunks, schedule.num_ranks
     dag = build_freeze_dag(schedule, costs, FreezeConfig(cap=0.0))
-    acts = dag.actions
-    n_nodes = dag.n_nodes
-    layers = d.layers.astype(float)
-    a = d.layer_activation_bytes
-    saved = a - d.layer_checkpoint_bytes
-    f = d.layer_forward_s
-    A = costs.activation_bytes
-    link_bw, nvme_bw = base.host_link_bps, base.nvme_bps
-
+    ch = _Chunks(d.layers.astype(float), d.layer_activation_bytes, d.layer_activation_bytes - d.layer_checkpoint_bytes,
+                 d.layer_forward_s, d.layer_activation_bytes * slowdown / base.host_link_bps,
+                 d.layer_activation_bytes * slowdown / base.nvme_bps)
     lp = LinearProgram("memory MILP", {"mip_rel_gap": 1e-2, "time_limit": 60.0})
-    k = lp.add_variables(n_c, 0, layers)
-    dv = lp.add_variables(n_c, 0, layers)
-    nv = lp.add_variables(n_c, 0, layers)
-    z = lp.add_variables(n_c, 0, 1)
-    tn = lp.add_variables(n_c, 0, 1)
-    y = lp.add_variables(n_r, 0, 1 if allow_state_offload else 0)
-    s = lp.add_variables(n_nodes, 0, np.inf)
-    T = lp.add_variables(1, 0, np.inf)[0]
-    P = lp.add_variables(1, 0, np.inf)[0]  # peak HBM (bounded by limit, or minimised)
-    lp.set_integer(np.concatenate([k, dv, nv, z, tn, y]))
+    col = _Columns(
+        lp.add_variables(n_c, 0, ch.layers), lp.add_variables(n_c, 0, ch.layers), lp.add_variables(n_c, 0, ch.layers),
+        lp.add_variables(n_c, 0, 1), lp.add_variables(n_c, 0, 1),
+        lp.add_variables(n_r, 0, 1 if allow_state_offload else 0), lp.add_variables(dag.n_nodes, 0, np.inf),
+        lp.add_variables(1, 0, np.inf)[0], lp.add_variables(1, 0, np.inf)[0],
+    )
+    lp.set_integer(np.concatenate([col.recompute, col.dram, col.nvme, col.recomputes, col.to_nvme,
+                                   col.states_on_host]))
     rows = _Rows()
-
-    # layer choices
-    for c in range(n_c):
-        rows.add(-np.inf, layers[c], [k[c], dv[c], nv[c]], [1, 1, 1])
-        rows.add(-np.inf, 0, [k[c], z[c]], [1, -layers[c]])
-        rows.add(-np.inf, 0, [nv[c], tn[c]], [1, -layers[c]])
-        rows.add(-np.inf, layers[c], [dv[c], tn[c]], [1, layers[c]])
-
-    stage_of = np.array([acts[i].stage if i < len(acts) else -1 for i in range(n_nodes)])
-    is_bwd = np.array([i < len(acts) and acts[i].kind in (Kind.B, Kind.I) for i in range(n_nodes)])
-    w = dag.w_max
-
-    def end_terms(i: int) -> tuple[list[int], list[float]]:
-        """Columns and coefficients of D_i beyond its constant w_i."""
-        return ([k[stage_of[i]]], [f[stage_of[i]]]) if is_bwd[i] else ([], [])
-
-    # precedence
-    for u, v, delay in zip(dag.edge_u, dag.edge_v, dag.edge_delay, strict=True):
-        cols, vals = end_terms(u)
-        rows.add(w[u] + delay, np.inf, [s[v], s[u], *cols], [1, -1, *[-x for x in vals]])
-    for i in dag.sinks:
-        cols, vals = end_terms(i)
-        rows.add(w[i], np.inf, [T, s[i], *cols], [1, -1, *[-x for x in vals]])
-
-    # offload timing, stream semantics as the engine: X_c = a_c (d_c / link + n_c / nvme) per microbatch.
-    # Copies out run FIFO after each forward (e_j), a forward waits for the copy two forwards back, prefetches
-    # run FIFO from the start of the action `lookahead` places before their backward (p_b), after the copy out.
-    xd = a * slowdown / link_bw  # seconds per DRAM-offloaded layer
-    xn = a * slowdown / nvme_bw
-    index = {act: i for i, act in enumerate(acts)}
-    fwd_rank = [[index[x] for x in actions if x.kind is Kind.F] for actions in schedule.ranks]
-    e = {i: col for chain in fwd_rank for i, col in zip(chain, lp.add_variables(len(chain), 0, np.inf), strict=True)}
-    for chain in fwd_rank:
-        for j, i in enumerate(chain):
-            c = stage_of[i]
-            rows.add(w[i], np.inf, [e[i], s[i], dv[c], nv[c]], [1, -1, -xd[c], -xn[c]])
-            if j >= 1:
-                rows.add(0, np.inf, [e[i], e[chain[j - 1]], dv[c], nv[c]], [1, -1, -xd[c], -xn[c]])
-            if j >= 2:
-                rows.add(0, np.inf, [s[i], e[chain[j - 2]]], [1, -1])
-    for actions in schedule.ranks:
-        prev = None
-        for pos, act in enumerate(actions):
-            if act.kind not in (Kind.B, Kind.I):
-                continue
-            c, ib = act.stage, index[act]
-            pb = lp.add_variables(1, 0, np.inf)[0]
-            jf = index[Action(c, Kind.F, act.microbatch)]
-            ahead = index[actions[max(pos - lookahead, 0)]]
-            rows.add(0, np.inf, [pb, e[jf], dv[c], nv[c]], [1, -1, -xd[c], -xn[c]])
-            rows.add(0, np.inf, [pb, s[ahead], dv[c], nv[c]], [1, -1, -xd[c], -xn[c]])
-            if prev is not None:
-                rows.add(0, np.inf, [pb, prev, dv[c], nv[c]], [1, -1, -xd[c], -xn[c]])
-            rows.add(0, np.inf, [s[ib], pb], [1, -1])
-            prev = pb
-    for col in e.values():  # the last copies out also end within the step
-        rows.add(0, np.inf, [T, col], [1, -1])
-
-    # optimizer-step copies when rank r's states go to host
-    host_states = _host_state_bytes(sc, costs)
-    step_s = _step_copy_s(sc, costs, base)
-    last = {}
-    for i, act in enumerate(acts):
-        if act.kind in (Kind.B, Kind.W):
-            last[act.stage] = i
-    for c, i in last.items():
-        cols, vals = end_terms(i)
-        rows.add(w[i], np.inf, [T, s[i], y[s2r[c]], *cols], [1, -1, -step_s[c], *[-x for x in vals]])
-
-    # HBM at every distinct position
+    _layer_choice_rows(rows, col, ch)
+    _precedence_rows(rows, col, ch, dag)
+    _copy_rows(rows, lp, col, ch, dag, lookahead)
+    _step_copy_rows(rows, col, ch, dag, _step_copy_s(costs, base))
     pos = _positions(schedule, lookahead)
-    static_r = per_rank_sum(base.static_hbm_bytes, s2r, n_r)
-    hs_r = per_rank_sum(host_states, s2r, n_r)
-    for p in range(len(pos.rank)):
-        r = pos.rank[p]
-        N, R = pos.inflight[p], pos.resident[p]
-        const = static_r[r] + float(N @ A)
-        cols = [P, y[r]]
-        vals = [-1.0, -hs_r[r]]
-        for c in np.flatnonzero(N):
-            cols += [k[c], dv[c], nv[c]]
-            vals += [-N[c] * saved[c], -(N[c] - R[c]) * a[c], -(N[c] - R[c]) * a[c]]
-        bc = pos.backward_chunk[p]
-        if bc >= 0:
-            cols.append(z[bc])
-            vals.append(a[bc])
-        rows.add(-np.inf, -const, cols, vals)
-
-    # host capacities per rank
-    for r in range(n_r):
-        chunks_r = np.flatnonzero(s2r == r)
-        per = pos.max_inflight[chunks_r] * a[chunks_r]
-        rows.add(-np.inf, d.dram_bytes, [*dv[chunks_r], y[r]], [*per, hs_r[r]])
-        rows.add(-np.inf, d.nvme_bytes, [*nv[chunks_r]], [*per])
-
+    _hbm_rows(rows, col, ch, pos, base, costs, schedule, _host_state_bytes(sc, costs))
+    _host_rows(rows, col, ch, pos, costs, schedule, _host_state_bytes(sc, costs))
     rows.flush(lp)
+
+    m = schedule.num_microbatches
     if limit is not None:
-        lp.set_upper_bound(P, max(limit, 0.0))
-        obj_cols = np.concatenate([[T], k, dv, nv])
-        obj = np.concatenate([[1.0], EPS * m * f, EPS * m * xd, EPS * m * xn])
+        lp.set_upper_bound(col.peak, max(limit, 0.0))
+        obj_cols = np.concatenate([[col.makespan], col.recompute, col.dram, col.nvme])
+        obj = np.concatenate([[1.0], EPS * m * ch.fwd, EPS * m * ch.copy_dram, EPS * m * ch.copy_nvme])
         what = "fitting the step into HBM"
     else:
-        obj_cols = np.concatenate([[P], [T]])
+        obj_cols = np.concatenate([[col.peak], [col.makespan]])
         obj = np.array([1.0, 1e-9])
         what = "the smallest HBM"
     try:
@@ -306,11 +277,112 @@ def _solve(sc, costs, schedule, base: MemoryPlan, lookahead, slowdown, limit, al
             f"margin); the smallest HBM that would do is {peak / 2**30:.2f} GiB"
         ) from None
     x = sol.x
-    out = {
-        "k": np.rint(x[k]), "d": np.rint(x[dv]), "n": np.rint(x[nv]), "y": np.rint(x[y]).astype(bool),
-        "peak": x[P],
-    }
-    return out, float(x[T]), sol.wall_s
+    choice = MemoryChoice(np.rint(x[col.recompute]), np.rint(x[col.dram]), np.rint(x[col.nvme]),
+                          np.rint(x[col.states_on_host]).astype(bool))
+    return MilpSolution(choice, float(x[col.makespan]), float(x[col.peak]), sol.wall_s)
+
+
+def _layer_choice_rows(rows: _Rows, col: _Columns, ch: _Chunks) -> None:
+    """k + d + n <= L, k <= L z, n <= L t, d <= L (1 - t): a chunk's NVMe and DRAM layers exclude each other."""
+    k, dv, nv, z, tn, layers = col.recompute, col.dram, col.nvme, col.recomputes, col.to_nvme, ch.layers
+    for c in range(len(layers)):
+        rows.add(-np.inf, layers[c], [k[c], dv[c], nv[c]], [1, 1, 1])
+        rows.add(-np.inf, 0, [k[c], z[c]], [1, -layers[c]])
+        rows.add(-np.inf, 0, [nv[c], tn[c]], [1, -layers[c]])
+        rows.add(-np.inf, layers[c], [dv[c], tn[c]], [1, layers[c]])
+
+
+def _end_terms(col: _Columns, ch: _Chunks, dag: FreezeDag, i: int) -> tuple[list[int], list[float]]:
+    """Columns and coefficients of node i's duration beyond its constant w_i: recomputation before B/I."""
+    if i < dag.n_actions and dag.actions[i].kind in BACKWARD_KINDS:
+        c = dag.actions[i].stage
+        return [col.recompute[c]], [ch.fwd[c]]
+    return [], []
+
+
+def _precedence_rows(rows: _Rows, col: _Columns, ch: _Chunks, dag: FreezeDag) -> None:
+    """s_v >= s_u + D_u + delay over every edge of the step graph; T >= the end of every sink."""
+    s, w = col.start, dag.w_max
+    for u, v, delay in zip(dag.edge_u.tolist(), dag.edge_v.tolist(), dag.edge_delay.tolist(), strict=True):
+        cols, vals = _end_terms(col, ch, dag, u)
+        rows.add(w[u] + delay, np.inf, [s[v], s[u], *cols], [1, -1, *[-x for x in vals]])
+    for i in dag.sinks:
+        cols, vals = _end_terms(col, ch, dag, i)
+        rows.add(w[i], np.inf, [col.makespan, s[i], *cols], [1, -1, *[-x for x in vals]])
+
+
+def _copy_rows(rows: _Rows, lp: LinearProgram, col: _Columns, ch: _Chunks, dag: FreezeDag, lookahead: int) -> None:
+    """Offload timing with the engine's stream semantics, X_c = a_c (d_c / link + n_c / nvme) per microbatch:
+    copies out run FIFO after each forward (e_j), a forward waits for the copy two forwards back, prefetches
+    (p_b) run FIFO from the start of their issuer (sim.graph.prefetch_issuer), after the copy out."""
+    st = step_structure(dag.schedule)
+    s, w, dv, nv = col.start, dag.w_max, col.dram, col.nvme
+    xd, xn = ch.copy_dram, ch.copy_nvme
+    fwd_rank = [st.forwards(r) for r in range(dag.schedule.num_ranks)]
+    e = {i: c for chain in fwd_rank for i, c in zip(chain, lp.add_variables(len(chain), 0, np.inf), strict=True)}
+    for chain in fwd_rank:
+        for j, i in enumerate(chain):
+            c = dag.actions[i].stage
+            rows.add(w[i], np.inf, [e[i], s[i], dv[c], nv[c]], [1, -1, -xd[c], -xn[c]])
+            if j >= 1:
+                rows.add(0, np.inf, [e[i], e[chain[j - 1]], dv[c], nv[c]], [1, -1, -xd[c], -xn[c]])
+            if j >= 2:
+                rows.add(0, np.inf, [s[i], e[chain[j - 2]]], [1, -1])
+    prev: dict[int, int] = {}  # rank -> its previous prefetch's column
+    for ib, ahead in prefetch_issuer(dag.schedule, lookahead).items():
+        c, r = dag.actions[ib].stage, st.rank_of[ib]
+        pb = lp.add_variables(1, 0, np.inf)[0]
+        rows.add(0, np.inf, [pb, e[st.forward_of[ib]], dv[c], nv[c]], [1, -1, -xd[c], -xn[c]])
+        rows.add(0, np.inf, [pb, s[ahead], dv[c], nv[c]], [1, -1, -xd[c], -xn[c]])
+        if r in prev:
+            rows.add(0, np.inf, [pb, prev[r], dv[c], nv[c]], [1, -1, -xd[c], -xn[c]])
+        rows.add(0, np.inf, [s[ib], pb], [1, -1])
+        prev[r] = pb
+    for c in e.values():  # the last copies out also end within the step
+        rows.add(0, np.inf, [col.makespan, c], [1, -1])
+
+
+def _step_copy_rows(rows: _Rows, col: _Columns, ch: _Chunks, dag: FreezeDag, step_s: np.ndarray) -> None:
+    """T >= end of chunk c's last B/W + y_r C_c: the optimizer step's copies when rank r's states are on host."""
+    s2r = dag.schedule.stage_to_rank
+    for c, i in step_structure(dag.schedule).last_backward.items():
+        cols, vals = _end_terms(col, ch, dag, i)
+        rows.add(dag.w_max[i], np.inf, [col.makespan, col.start[i], col.states_on_host[s2r[c]], *cols],
+                 [1, -1, -step_s[c], *[-x for x in vals]])
+
+
+def _hbm_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, base: MemoryPlan, costs: CostTable,
+              schedule: Schedule, host_states: np.ndarray) -> None:
+    """HBM at every distinct position of every rank is at most P (module docstring)."""
+    s2r, n_r = np.asarray(schedule.stage_to_rank), schedule.num_ranks
+    static_r = per_rank_sum(base.static_hbm_bytes, s2r, n_r)
+    hs_r = per_rank_sum(host_states, s2r, n_r)
+    for p in range(len(pos.rank)):
+        r = pos.rank[p]
+        N, R = pos.inflight[p], pos.resident[p]
+        const = static_r[r] + float(N @ costs.activation_bytes)
+        cols = [col.peak, col.states_on_host[r]]
+        vals = [-1.0, -hs_r[r]]
+        for c in np.flatnonzero(N):
+            cols += [col.recompute[c], col.dram[c], col.nvme[c]]
+            vals += [-N[c] * ch.saved[c], -(N[c] - R[c]) * ch.act[c], -(N[c] - R[c]) * ch.act[c]]
+        bc = pos.backward_chunk[p]
+        if bc >= 0:
+            cols.append(col.recomputes[bc])
+            vals.append(ch.act[bc])
+        rows.add(-np.inf, -const, cols, vals)
+
+
+def _host_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, costs: CostTable, schedule: Schedule,
+               host_states: np.ndarray) -> None:
+    """Per rank, what goes to DRAM and to NVMe fits there."""
+    s2r, n_r = np.asarray(schedule.stage_to_rank), schedule.num_ranks
+    hs_r = per_rank_sum(host_states, s2r, n_r)
+    for r in range(n_r):
+        chunks_r = np.flatnonzero(s2r == r)
+        per = pos.max_inflight[chunks_r] * ch.act[chunks_r]
+        rows.add(-np.inf, costs.detail.dram_bytes, [*col.dram[chunks_r], col.states_on_host[r]], [*per, hs_r[r]])
+        rows.add(-np.inf, costs.detail.nvme_bytes, [*col.nvme[chunks_r]], [*per])
 
 
 def _host_state_bytes(sc: Scenario, costs: CostTable) -> np.ndarray:
@@ -322,27 +394,31 @@ def _host_state_bytes(sc: Scenario, costs: CostTable) -> np.ndarray:
     return parts.get("optimizer", zero) + parts.get("master_weights", zero)
 
 
-def _step_copy_s(sc: Scenario, costs: CostTable, base: MemoryPlan) -> np.ndarray:
+def _step_copy_s(costs: CostTable, base: MemoryPlan) -> np.ndarray:
     """Per chunk, the optimizer step's exposed time with states on the host: grads out, Adam, weights back."""
     parts = costs.detail.state_bytes
     zero = np.zeros(costs.num_chunks)
     params = costs.params if costs.params is not None else zero
-    return (parts.get("gradients", zero) / base.host_link_bps + params * 28 / costs.detail.dram_bps
-            + parts.get("weights", zero) / base.host_link_bps)
+    adam_s = params * HOST_ADAM_BYTES_PER_PARAM / costs.detail.dram_bps
+    return parts.get("gradients", zero) / base.host_link_bps + adam_s + parts.get("weights", zero) / base.host_link_bps
 
 
-def _to_plan(sc, costs, schedule, base: MemoryPlan, sol, lookahead) -> MemoryPlan:
+def plan_from_choice(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan, choice: MemoryChoice,
+                     lookahead: int) -> MemoryPlan:
+    """The MemoryPlan the engine runs for the MILP's `choice` (`base`: the scenario's keep-everything plan with
+    its states placed, sim.memory.with_states)."""
     d = costs.detail
+    k, dram, nvme = choice.recompute_layers, choice.dram_layers, choice.nvme_layers
     s2r = np.asarray(schedule.stage_to_rank)
-    kept, transient, extra = activation_arrays(costs, sol["k"], np.zeros(costs.num_chunks))
-    off = d.layer_activation_bytes * (sol["d"] + sol["n"])
-    chunk_states = sol["y"][s2r]  # per chunk: its rank offloads states
+    kept, transient, extra = activation_arrays(costs, k, np.zeros(costs.num_chunks))
+    off = d.layer_activation_bytes * (dram + nvme)
+    chunk_states = choice.states_on_host[s2r]  # per chunk: its rank offloads states
     hs = _host_state_bytes(sc, costs)
     params = costs.params if costs.params is not None else np.zeros(costs.num_chunks)
     parts = d.state_bytes
     zero = np.zeros(costs.num_chunks)
     policy = tuple(
-        f"recompute {int(sol['k'][c])}/{int(d.layers[c])}, dram {int(sol['d'][c])}, nvme {int(sol['n'][c])}"
+        f"recompute {int(k[c])}/{int(d.layers[c])}, dram {int(dram[c])}, nvme {int(nvme[c])}"
         + (", states on host" if chunk_states[c] else "")
         for c in range(costs.num_chunks)
     )
@@ -351,12 +427,12 @@ def _to_plan(sc, costs, schedule, base: MemoryPlan, sol, lookahead) -> MemoryPla
         transient_bytes=transient,
         recompute_s=extra,
         offload_bytes=off,
-        offload_nvme=sol["n"] > 0,
+        offload_nvme=nvme > 0,
         static_hbm_bytes=base.static_hbm_bytes - np.where(chunk_states, hs, 0.0),
         static_host_bytes={"dram": base.static_host_bytes.get("dram", zero) + np.where(chunk_states, hs, 0.0),
                            "nvme": base.static_host_bytes.get("nvme", zero)},
         step_d2h_bytes=base.step_d2h_bytes + np.where(chunk_states, parts.get("gradients", zero), 0.0),
-        step_host_s=base.step_host_s + np.where(chunk_states, params * 28 / d.dram_bps, 0.0),
+        step_host_s=base.step_host_s + np.where(chunk_states, params * HOST_ADAM_BYTES_PER_PARAM / d.dram_bps, 0.0),
         step_h2d_bytes=base.step_h2d_bytes + np.where(chunk_states, parts.get("weights", zero), 0.0),
         prefetch_lookahead=lookahead,
         hbm_limit_bytes=base.hbm_limit_bytes,
