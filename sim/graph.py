@@ -21,10 +21,12 @@ durations (`add_node(kind, key, seconds)`) and its edges, as `add_links`, `add_a
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,8 +49,7 @@ class NodeKind(IntEnum):
 
 
 # ---- the rule ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Input:
+class Input(NamedTuple):
     """What an action consumes: the result of the action of `kinds` at (stage, microbatch)."""
 
     stage: int
@@ -57,16 +58,27 @@ class Input:
     crosses_stage: bool  # another stage's result (a P2P message when the stages sit on different ranks)
 
 
+_F, _I = (Kind.F,), (Kind.I,)
+
+
+InputPattern = tuple[tuple[int, tuple[Kind, ...], bool], ...]  # (stage offset, producer kinds, crosses stage)
+
+
+@functools.cache
+def input_pattern(kind: Kind, first_stage: bool, last_stage: bool) -> InputPattern:
+    """The rule (module docstring), relative to the consumer's stage; B/I list their own F first."""
+    if kind is Kind.F:
+        return () if first_stage else ((-1, _F, True),)
+    if kind is Kind.W:
+        return ((0, _I, False),)
+    own = (0, _F, False)
+    return (own,) if last_stage else (own, (1, BACKWARD_KINDS, True))
+
+
 def data_inputs(a: Action, num_stages: int) -> tuple[Input, ...]:
-    """What `a` waits for besides its rank's order (module docstring); B/I list their own F first."""
-    if a.kind is Kind.F:
-        return (Input(a.stage - 1, (Kind.F,), a.microbatch, True),) if a.stage > 0 else ()
-    if a.kind is Kind.W:
-        return (Input(a.stage, (Kind.I,), a.microbatch, False),)
-    own = Input(a.stage, (Kind.F,), a.microbatch, False)
-    if a.stage < num_stages - 1:
-        return own, Input(a.stage + 1, BACKWARD_KINDS, a.microbatch, True)
-    return (own,)
+    """What `a` waits for besides its rank's order."""
+    return tuple(Input(a.stage + d, kinds, a.microbatch, cross)
+                 for d, kinds, cross in input_pattern(a.kind, a.stage == 0, a.stage == num_stages - 1))
 
 
 def cross_stage_input(a: Action, num_stages: int) -> Input | None:
@@ -83,7 +95,6 @@ class StepStructure:
     """Schedule-only facts, node i = `actions[i]` (rank by rank, in each rank's order)."""
 
     actions: tuple[Action, ...]
-    index: dict[Action, int]
     rank_of: list[int]
     rank_offsets: list[int]  # rank r runs nodes rank_offsets[r] .. rank_offsets[r+1]-1
     deps: list[tuple[tuple[int, bool], ...]]  # per node: (producer, crosses stage), as data_inputs orders them
@@ -94,6 +105,10 @@ class StepStructure:
     @property
     def n_actions(self) -> int:
         return len(self.actions)
+
+    @functools.cached_property
+    def index(self) -> dict[Action, int]:
+        return {a: i for i, a in enumerate(self.actions)}
 
     def rank_nodes(self, rank: int) -> range:
         return range(self.rank_offsets[rank], self.rank_offsets[rank + 1])
@@ -118,29 +133,31 @@ def step_structure(schedule: Schedule) -> StepStructure:
 def _build_structure(schedule: Schedule) -> StepStructure:
     s2r = schedule.stage_to_rank
     actions = tuple(a for r in schedule.ranks for a in r)
-    index = {a: i for i, a in enumerate(actions)}
-    n, n_stages = len(actions), schedule.num_stages
+    by_key = {(a.stage, a.kind, a.microbatch): i for i, a in enumerate(actions)}  # cheaper keys than Actions
+    n, last_stage = len(actions), schedule.num_stages - 1
     deps: list[tuple[tuple[int, bool], ...]] = []
     consumer_rank = [-1] * n
     forward_of = [-1] * n
     for i, a in enumerate(actions):
         found = []
-        for x in data_inputs(a, n_stages):
-            j = next((index[p] for k in x.kinds if (p := Action(x.stage, k, x.microbatch)) in index), None)
-            if j is None:
-                continue
-            found.append((j, x.crosses_stage))
-            if x.crosses_stage:
-                consumer_rank[j] = s2r[a.stage]
-            elif a.kind in BACKWARD_KINDS:
-                forward_of[i] = j
+        stage, mb = a.stage, a.microbatch
+        for d, kinds, cross in input_pattern(a.kind, stage == 0, stage == last_stage):
+            for k in kinds:
+                j = by_key.get((stage + d, k, mb))
+                if j is not None:
+                    found.append((j, cross))
+                    if cross:
+                        consumer_rank[j] = s2r[stage]
+                    elif d == 0 and k is Kind.F:
+                        forward_of[i] = j
+                    break
         deps.append(tuple(found))
     last: dict[int, int] = {}
     for i, a in enumerate(actions):
         if a.kind in GRADIENT_KINDS:
             last[a.stage] = i  # ranks' lists are in order, so the final assignment is the last one
     offsets = list(itertools.accumulate((len(r) for r in schedule.ranks), initial=0))
-    return StepStructure(actions, index, [s2r[a.stage] for a in actions], offsets, deps, consumer_rank,
+    return StepStructure(actions, [s2r[a.stage] for a in actions], offsets, deps, consumer_rank,
                          forward_of, last)
 
 
