@@ -16,8 +16,9 @@ from sim.config import Scenario, load_scenario
 from sim.costs import build_cost_table
 from sim.engine import SimResult, simulate
 from sim.errors import ScenarioError
-from sim.memory import build_memory_plan
 from sim.step import resolve_schedule
+from solver.memory_milp import MemoryInfeasibleError
+from solver.step import resolve_memory_plan
 
 MAX_LAYERS = 4096
 
@@ -28,7 +29,11 @@ class Policy:
     schedule: str
     virtual_stages: int
     overrides: dict[str, Any] = field(default_factory=dict)
-    planner: bool = False  # the MILP chooses keep / recompute / offload per chunk and states per rank
+
+    @property
+    def planner(self) -> bool:
+        """The MILP chooses keep / recompute / offload per chunk and states per rank (memory.plan = true)."""
+        return bool(self.overrides.get("memory.plan"))
 
 
 POLICIES: dict[str, Policy] = {
@@ -41,7 +46,7 @@ POLICIES: dict[str, Policy] = {
         Policy("v-half", "v-half", 2),
         Policy("chronos", "chronos", 2),
         Policy("chronos+recomp", "chronos", 2, {"memory.recompute": "chronos"}),
-        Policy("chronos+recomp+offload", "chronos", 2, planner=True),
+        Policy("chronos+recomp+offload", "chronos", 2, {"memory.plan": True}),
     ]
 }
 
@@ -66,15 +71,13 @@ def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy
     sc = load_scenario(sc_path, overrides)
     costs = build_cost_table(sc)
     schedule = resolve_schedule(sc)
-    if policy.planner:
-        from solver.memory_milp import MemoryInfeasibleError, plan_memory
-
-        try:
-            planned = plan_memory(sc, costs, schedule)
-        except MemoryInfeasibleError:
-            return Evaluation(layers, False, None)
-        return Evaluation(layers, True, planned.simulated)
-    res = simulate(schedule, costs, memory=build_memory_plan(sc, costs, schedule))
+    try:
+        memory = resolve_memory_plan(sc, costs, schedule)
+    except MemoryInfeasibleError:
+        return Evaluation(layers, False, None)
+    if memory.planned is not None:  # the planner's plan fits by construction and is already simulated
+        return Evaluation(layers, True, memory.planned.simulated)
+    res = simulate(schedule, costs, memory=memory.plan)
     return Evaluation(layers, not res.oom_over_limit, res)
 
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sim.errors import PipeplanError
+
+if TYPE_CHECKING:
+    from solver.memory_milp import MemoryChoice
 
 FREEZE_MODES = ("none", "uniform", "timelyfreeze")
 DEVICES = ("auto", "cpu", "cuda")
@@ -64,6 +67,9 @@ class RunConfig:
     validate: bool = False
     """Profile only: alternate plain steps (even) with profiled ones (odd) and report how well the costs
     measured on the profiled steps predict the plain steps: one job, so both see the same machine load."""
+    memory_choice: dict[str, list] | None = None
+    """With memory.plan = true: the memory MILP's choice, solved once on the launcher (MemoryChoice.to_dict)
+    so that no rank solves it again; None: resolve it from the scenario."""
     fail_rank: int | None = None
     """Testing aid: this rank raises at the start of step `fail_step`."""
     fail_step: int = 0
@@ -93,6 +99,12 @@ class RunConfig:
                                 f"(got {self.steps})")
         if self.timeout_s <= 0 or self.threads < 1:
             raise PipeplanError("--timeout-s must be > 0 and --threads >= 1")
+
+    def choice(self) -> MemoryChoice | None:
+        """The launcher's memory MILP choice, if it handed one over."""
+        from solver.memory_milp import MemoryChoice
+
+        return MemoryChoice.from_dict(self.memory_choice) if self.memory_choice is not None else None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

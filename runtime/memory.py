@@ -1,7 +1,8 @@
 """Activation memory as the scenario's [memory] table plans it: measured, recomputed, or offloaded to host.
 
-`run_memory` resolves the plan exactly as the simulator does (sim.memory.build_memory_plan, or the memory
-MILP's verified choice with `memory.plan = true`), so a chunk the simulator recomputes is the chunk the
+`run_memory` resolves the plan exactly as the simulator does (solver.step.resolve_memory_plan: the fixed
+[memory] settings, or the memory MILP's verified choice with `memory.plan = true`, solved once on the launcher
+and handed to the ranks in RunConfig.memory_choice), so a chunk the simulator recomputes is the chunk the
 runtime recomputes:
 
     none                  keep everything
@@ -36,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from sim.config import Scenario
 from sim.errors import PipeplanError
 from sim.ir import Schedule
+from solver.memory_milp import MemoryChoice
 
 _active = threading.local()
 
@@ -60,28 +62,27 @@ class RunMemory:
         return [c.label for c in self.chunks]
 
 
-def run_memory(sc: Scenario, schedule: Schedule) -> RunMemory:
-    """Per chunk and rank, the memory plan the simulator uses for this scenario and schedule."""
+def run_memory(sc: Scenario, schedule: Schedule, choice: MemoryChoice | None = None) -> RunMemory:
+    """Per chunk and rank, the memory plan the simulator uses for this scenario and schedule (one resolver,
+    solver.step.resolve_memory_plan; `choice`: the MILP's decision the launcher already solved)."""
     from sim.costs import build_cost_table
-    from sim.memory import build_memory_plan
+    from solver.step import resolve_memory_plan
 
     costs = build_cost_table(sc).with_microbatches(schedule.num_microbatches)
     mem = sc.memory
-    if not mem.plan:
-        policies = build_memory_plan(sc, costs, schedule).policy
-        chunks = [ChunkMemory(p.removeprefix("chronos:"), mem.offload_activations, None, p) for p in policies]
+    resolved = resolve_memory_plan(sc, costs, schedule, choice)
+    plan = resolved.plan
+    if resolved.choice is None:
+        chunks = [ChunkMemory(p.removeprefix("chronos:"), mem.offload_activations, None, p) for p in plan.policy]
         return RunMemory(chunks, [mem.optimizer != "hbm"] * schedule.num_ranks)
-    from solver.memory_milp import plan_memory
-
-    res = plan_memory(sc, costs, schedule)
-    plan, layers = res.plan, costs.detail.layers
+    k, layers = resolved.choice.recompute_layers, costs.detail.layers
     share = np.divide(plan.offload_bytes, plan.kept_bytes, out=np.zeros(len(layers)), where=plan.kept_bytes > 0)
     chunks = [
-        ChunkMemory("full" if res.recompute_layers[c] else "none", abs(float(share[c])), int(res.recompute_layers[c]),
-                    plan.policy[c])
+        ChunkMemory("full" if k[c] else "none", abs(float(share[c])), int(k[c]), plan.policy[c])
         for c in range(len(layers))
     ]
-    states = [bool(x) for x in res.states_on_host] if mem.optimizer == "hbm" else [True] * schedule.num_ranks
+    on_host = resolved.choice.states_on_host
+    states = [bool(x) for x in on_host] if mem.optimizer == "hbm" else [True] * schedule.num_ranks
     return RunMemory(chunks, states)
 
 

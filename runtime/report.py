@@ -33,8 +33,8 @@ from sim.costs import build_cost_table
 from sim.engine import SimResult, simulate
 from sim.errors import PipeplanError
 from sim.ir import Schedule
-from sim.memory import build_memory_plan
 from sim.trace import MEMORY_COLUMNS, TIMELINE_COLUMNS
+from solver.step import resolve_memory_plan
 
 RankResult = dict[str, Any]  # {"rank", "history": [StepRecord], "static_bytes"}
 
@@ -82,11 +82,8 @@ def predict(cfg: RunConfig, scenario: Scenario, schedule: Schedule) -> tuple[Sim
             f"--costs {cfg.costs}: describes {costs.num_chunks} chunks, the run has {schedule.num_stages}; "
             "profile with the same pipeline.stages and virtual_stages"
         )
-    if cfg.costs is None and sc.memory.plan:
-        from solver.plan import scenario_memory_plan
-
-        return simulate(schedule, costs, memory=scenario_memory_plan(sc, costs, schedule)), source
-    return simulate(schedule, costs, memory=build_memory_plan(sc, costs, schedule)), source
+    memory = resolve_memory_plan(sc, costs, schedule, cfg.choice() if cfg.costs is None else None)
+    return simulate(schedule, costs, memory=memory.plan), source
 
 
 def rel_error(predicted: float, measured: float) -> float | None:

@@ -75,7 +75,7 @@ class Trainer:
         self.args = ModelArgs.from_scenario(m)
         self.stages = [s for s in range(sched.num_stages) if sched.stage_to_rank[s] == self.rank]
         self.chunks = {s: build_chunk(self.args, s, sched.num_stages, self.device, cfg.seed) for s in self.stages}
-        self.memory = run_memory(self.scenario, sched)
+        self.memory = run_memory(self.scenario, sched, cfg.choice())
         self.policies = self.memory.labels
         for s, chunk in self.chunks.items():
             if sched.uses_split_backward or cfg.profile:

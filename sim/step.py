@@ -7,7 +7,7 @@ from pathlib import Path
 from sim.config import Scenario
 from sim.costs import CostTable, build_cost_table
 from sim.engine import SimResult, simulate
-from sim.errors import ScheduleError
+from sim.errors import ScenarioError, ScheduleError
 from sim.ir import Schedule
 from sim.memory import build_memory_plan
 from sim.schedules import build_schedule
@@ -30,7 +30,12 @@ def resolve_schedule(sc: Scenario, schedule_csv: str | Path | None = None) -> Sc
 
 
 def simulate_scenario(sc: Scenario, schedule_csv: str | Path | None = None) -> SimResult:
-    """One step of the scenario's schedule under its costs and its [memory] policy."""
+    """One step of the scenario's schedule under its costs and its fixed [memory] policy. A scenario that asks
+    the memory MILP for its plan (memory.plan = true) needs the solver: solver.step.simulate_with_memory_policy
+    (sim/ sits below solver/ and cannot call it)."""
+    if sc.memory.plan:
+        raise ScenarioError("memory.plan = true: the plan comes from the memory MILP (solver.step."
+                            "simulate_with_memory_policy, `pipeplan simulate`), not from sim.step")
     costs: CostTable = build_cost_table(sc)
     schedule = resolve_schedule(sc, schedule_csv)
     return simulate(schedule, costs, memory=build_memory_plan(sc, costs, schedule))

@@ -27,12 +27,13 @@ from sim.config import FreezeConfig, Scenario, load_scenario
 from sim.costs import CostTable, build_cost_table
 from sim.engine import SimResult, simulate
 from sim.ir import Action, Schedule
-from sim.memory import MemoryPlan, build_memory_plan
+from sim.memory import MemoryPlan
 from sim.step import resolve_schedule
 from solver.baselines import BASELINES, uniform_ratios
 from solver.errors import FreezeInputError, VerificationError
 from solver.freeze_dag import FreezeDag, build_freeze_dag, copy_order
 from solver.freeze_lp import FreezeSolution, solve_freeze_lp
+from solver.step import resolve_memory_plan
 
 VERIFY_REL_TOL = 1e-6
 ORDER_ROUNDS = 6
@@ -179,17 +180,8 @@ def plan_scenario(
     """The scenario's schedule (or a torch-format CSV's order) planned at its [freeze] settings, under its
     memory policy (the fixed [memory] settings, or the MILP planner's choice with memory.plan = true)."""
     schedule, costs = resolve_schedule(sc, schedule_csv), build_cost_table(sc)
-    memory = scenario_memory_plan(sc, costs, schedule)
+    memory = resolve_memory_plan(sc, costs, schedule).plan
     return plan_freeze(schedule, costs, sc.freeze, baselines=baselines, memory=memory)
-
-
-def scenario_memory_plan(sc: Scenario, costs: CostTable, schedule: Schedule) -> MemoryPlan:
-    """The memory plan the step runs under: [memory] as written, or the memory MILP's verified choice."""
-    if sc.memory.plan:
-        from solver.memory_milp import plan_memory
-
-        return plan_memory(sc, costs, schedule).plan
-    return build_memory_plan(sc, costs, schedule)
 
 
 def verify(lp_makespan_s: float, simulated_makespan_s: float, note: str = "") -> None:
@@ -266,7 +258,7 @@ def sweep_caps(
             scenario_path, {**(overrides or {}), "pipeline.schedule": name, "pipeline.virtual_stages": v}
         )
         schedule, costs = resolve_schedule(sc), build_cost_table(sc)
-        memory = scenario_memory_plan(sc, costs, schedule)
+        memory = resolve_memory_plan(sc, costs, schedule).plan
         base = simulate(schedule, costs, memory=memory)
         dag = build_freeze_dag(schedule, costs, sc.freeze, memory.recompute_s, memory, copy_order(base))
         for cap in caps:

@@ -101,7 +101,13 @@ def launch_job(cfg: RunConfig, args: argparse.Namespace, out: str) -> dict | Non
     from runtime.train import load_run_scenario
 
     scenario, schedule = load_run_scenario(cfg)
-    run_memory(scenario, schedule)  # a memory plan the runtime can execute (the MILP's, if planned)
+    if scenario.memory.plan and cfg.memory_choice is None:  # solve the memory MILP once, here; ranks reuse it
+        from sim.costs import build_cost_table
+        from solver.step import resolve_memory_plan
+
+        costs = build_cost_table(scenario).with_microbatches(schedule.num_microbatches)
+        cfg.memory_choice = resolve_memory_plan(scenario, costs, schedule).choice.to_dict()
+    run_memory(scenario, schedule, cfg.choice())  # a memory plan the runtime can execute
     predict(cfg, scenario, schedule)  # --costs must describe this pipeline
     if cfg.data not in (None, "synthetic") and not Path(cfg.data).is_file():
         raise PipeplanError(f"--data {cfg.data}: file not found; give a text file, or 'synthetic'")
