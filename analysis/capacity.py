@@ -36,9 +36,18 @@ class Policy:
         return bool(self.overrides.get("memory.plan"))
 
 
-POLICIES: dict[str, Policy] = {
-    p.name: p
-    for p in [
+def _by_name(policies: list[Policy]) -> dict[str, Policy]:
+    """The policy registry; a name given twice is refused rather than silently replaced."""
+    registry: dict[str, Policy] = {}
+    for p in policies:
+        if p.name in registry:
+            raise ValueError(f"capacity policy {p.name!r} is defined twice")
+        registry[p.name] = p
+    return registry
+
+
+POLICIES: dict[str, Policy] = _by_name(
+    [
         Policy("1f1b", "1f1b", 1),
         Policy("1f1b+recompute", "1f1b", 1, {"memory.recompute": "full"}),
         Policy("interleaved-1f1b", "interleaved-1f1b", 2),
@@ -48,7 +57,7 @@ POLICIES: dict[str, Policy] = {
         Policy("chronos+recomp", "chronos", 2, {"memory.recompute": "chronos"}),
         Policy("chronos+recomp+offload", "chronos", 2, {"memory.plan": True}),
     ]
-}
+)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ class PipelineConfig(_Section):
     microbatches: PosInt
     """Microbatches m per step (per pipeline replica)."""
     schedule: str = "1f1b"
-    """A name from sim.schedules: gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, v-half, chronos."""
+    """A name registered in sim.schedules (`pipeplan simulate --help` lists them)."""
     virtual_stages: PosInt = 1
     """Model chunks per rank v; interleaved-1f1b and zbv use 2 or more."""
 
@@ -202,7 +202,8 @@ def _check_freeze_curve(where: str, pts: list[list[float]]) -> None:
 
 
 Tier = Literal["hbm", "dram", "nvme"]
-RecomputePolicy = Literal["none", "full", "selective", "chronos"]
+RECOMPUTE_POLICIES = ("none", "full", "selective", "chronos")  # sim.memory.RECOMPUTE implements exactly these
+RecomputePolicy = Literal[RECOMPUTE_POLICIES]
 
 
 class MemoryConfig(_Section):

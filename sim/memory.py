@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from sim.config import MemoryConfig, Scenario
+from sim.config import RECOMPUTE_POLICIES, MemoryConfig, Scenario
 from sim.costs import ChunkDetail, CostTable
 from sim.engine import SimResult, simulate
 from sim.errors import ScenarioError
@@ -84,6 +84,8 @@ def _chronos(costs: CostTable, schedule: Schedule) -> tuple[np.ndarray, np.ndarr
 
 
 RECOMPUTE: dict[str, RecomputeRule] = {"none": _none, "full": _full, "selective": _selective, "chronos": _chronos}
+if tuple(RECOMPUTE) != RECOMPUTE_POLICIES:  # the scenario schema's names (sim.config) and these rules are one list
+    raise ImportError(f"sim.memory.RECOMPUTE {tuple(RECOMPUTE)} differs from sim.config.RECOMPUTE_POLICIES")
 
 
 def activation_lifetimes(schedule: Schedule, costs: CostTable) -> np.ndarray:

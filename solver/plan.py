@@ -28,6 +28,7 @@ from sim.costs import CostTable, build_cost_table
 from sim.engine import SimResult, simulate
 from sim.ir import Action, Schedule
 from sim.memory import MemoryPlan
+from sim.schedules import sweep_schedules
 from sim.step import resolve_schedule
 from solver.baselines import BASELINES, uniform_ratios
 from solver.errors import FreezeInputError, VerificationError
@@ -37,7 +38,6 @@ from solver.step import resolve_memory_plan
 
 VERIFY_REL_TOL = 1e-6
 ORDER_ROUNDS = 6
-SWEEP_SCHEDULES: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zbv": 2}  # name -> v
 SWEEP_CAPS = tuple(round(0.1 * k, 1) for k in range(10))  # 0, 0.1, ..., 0.9
 
 
@@ -253,7 +253,7 @@ def sweep_caps(
     """Speedup of the LP plan per (schedule, cap); each schedule runs at its own virtual_stages."""
     rows = []
     caps = list(caps)
-    for name, v in (schedules or SWEEP_SCHEDULES).items():
+    for name, v in (schedules or sweep_schedules()).items():
         sc = load_scenario(
             scenario_path, {**(overrides or {}), "pipeline.schedule": name, "pipeline.virtual_stages": v}
         )

@@ -8,10 +8,11 @@ import pytest
 from sim.dag import build_dag, longest_path_s
 from sim.engine import DeadlockError, simulate
 from sim.ir import Schedule
-from sim.schedules import SCHEDULES, build_schedule
+from sim.schedules import SCHEDULES, build_schedule, schedule_names
 from tests.conftest import make_costs
 
-ALL = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zb-h1", 1), ("zbv", 2)]
+# every registered schedule at its usual virtual stages, read from the registry, plus interleaving at v = 3
+ALL = [(name, SCHEDULES[name].virtual_stages) for name in schedule_names()] + [("interleaved-1f1b", 3)]
 
 
 def timeline(result) -> list[tuple[str, float, float]]:
@@ -77,7 +78,8 @@ def test_makespan_equals_dag_longest_path(name, v, p, m):
 
 
 def test_every_registered_schedule_is_covered():
-    assert {n for n, _ in ALL} >= {n for n in SCHEDULES if n in {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"}}
+    assert {n for n, _ in ALL} == set(schedule_names()) >= {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv",
+                                                              "v-half", "chronos"}
 
 
 def test_links_are_fifo_and_transfers_overlap_compute():

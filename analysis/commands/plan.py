@@ -26,9 +26,10 @@ from analysis.outputs import write_simulation
 from analysis.plots import gantt
 from common.io import atomic_write_json, atomic_write_text, staged_output
 from sim.config import load_scenario
+from sim.schedules import SCHEDULES, schedule_names, sweep_schedules
 from sim.trace import timeline_frame
 from solver.freeze_lp import MAKESPAN_ABS_TOL, MAKESPAN_REL_TOL
-from solver.plan import SWEEP_SCHEDULES, FreezePlan, plan_scenario, sweep_caps
+from solver.plan import FreezePlan, plan_scenario, sweep_caps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,11 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument(
         "--sweep-cap",
         action="store_true",
-        help="sweep cap 0..0.9 for gpipe, 1f1b, interleaved-1f1b and zbv (or --schedule only)",
+        help=f"sweep cap 0..0.9 for {', '.join(sweep_schedules())} (or --schedule only)",
     )
     order = parser.add_mutually_exclusive_group()
     order.add_argument(
-        "--schedule", help="override pipeline.schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv)"
+        "--schedule", help=f"override pipeline.schedule ({', '.join(schedule_names())})"
     )
     order.add_argument(
         "--schedule-csv", help="plan this action order (torch action-string CSV, one row per rank)"
@@ -242,9 +243,10 @@ def _run_sweep(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     overrides = {k: v for k, v in scenario_overrides(args).items() if k != "pipeline.schedule"}
-    schedules = dict(SWEEP_SCHEDULES)
+    schedules = sweep_schedules()
     if args.schedule:
-        schedules = {args.schedule: args.virtual_stages or SWEEP_SCHEDULES.get(args.schedule, 1)}
+        spec = SCHEDULES.get(args.schedule)
+        schedules = {args.schedule: args.virtual_stages or (spec.virtual_stages if spec else 1)}
     overrides.pop("pipeline.virtual_stages", None)
     caps = [round(0.1 * k, 1) for k in range(10)]
     with Progress(console=console, transient=True) as progress:

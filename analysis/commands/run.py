@@ -19,6 +19,7 @@ from analysis.commands.simulate import add_schedule_arguments, scenario_override
 from common.io import staged_output
 from runtime.config import FREEZE_MODES, RunConfig
 from runtime.launch import Rendezvous, launch
+from sim.config import RECOMPUTE_POLICIES
 from sim.errors import PipeplanError
 
 
@@ -57,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--freeze-monitor", type=int, default=2, help="monitoring steps (default 2)")
     parser.add_argument("--freeze-ramp", type=int, default=2, help="steps to ramp up to the plan (default 2)")
     parser.add_argument("--freeze-redraw", type=int, default=5, help="re-draw frozen sets every K steps (default 5)")
-    parser.add_argument("--recompute", choices=("none", "full", "selective", "chronos"),
+    parser.add_argument("--recompute", choices=RECOMPUTE_POLICIES,
                         help="override memory.recompute (default: the scenario's)")
     parser.add_argument("--offload-activations", type=float, metavar="SHARE",
                         help="override memory.offload_activations: share of saved activations moved to host")

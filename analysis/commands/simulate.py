@@ -8,6 +8,7 @@ from analysis.console import print_simulation
 from analysis.outputs import write_simulation
 from common.io import staged_output
 from sim.config import load_scenario
+from sim.schedules import schedule_names
 from solver.step import simulate_with_memory_policy
 
 
@@ -19,8 +20,7 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     """The scenario, and the flags that replace its schedule (read back by `scenario_overrides`)."""
     add_scenario_argument(parser)
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--schedule", help="override pipeline.schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, "
-                                          "v-half, chronos)")
+    group.add_argument("--schedule", help=f"override pipeline.schedule ({', '.join(schedule_names())})")
     group.add_argument("--schedule-csv", help="run this action order (torch action-string CSV, one row per rank)")
     parser.add_argument("--virtual-stages", type=int, help="override pipeline.virtual_stages (chunks per rank)")
     add_set_argument(parser)

@@ -23,14 +23,23 @@ class ScheduleSpec:
     build: ScheduleBuilder
     check: SizeCheck
     summary: str
+    virtual_stages: int = 1  # the v it is usually run with (sweeps, tests)
+    sweep: bool = False  # one of the schedules `pipeplan plan --sweep-cap` compares
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {}
 
 
-def register(name: str, check: SizeCheck, summary: str) -> Callable[[ScheduleBuilder], ScheduleBuilder]:
+def register(
+    name: str, check: SizeCheck, summary: str, *, virtual_stages: int = 1, sweep: bool = False
+) -> Callable[[ScheduleBuilder], ScheduleBuilder]:
+    """Register a generator under `name`; a name already taken is refused (two modules would shadow each other)."""
+
     def deco(fn: ScheduleBuilder) -> ScheduleBuilder:
-        SCHEDULES[name] = ScheduleSpec(name, fn, check, summary)
+        if name in SCHEDULES:
+            raise ValueError(f"schedule {name!r} is registered twice ({SCHEDULES[name].build.__module__} and "
+                             f"{fn.__module__})")
+        SCHEDULES[name] = ScheduleSpec(name, fn, check, summary, virtual_stages, sweep)
         return fn
 
     return deco
@@ -66,6 +75,14 @@ def build_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int
 def schedule_names() -> list[str]:
     _import_builtin()
     return list(SCHEDULES)
+
+
+def sweep_schedules() -> dict[str, int]:
+    """Name -> virtual stages of the schedules a cap sweep compares (registered with sweep=True), one chunk per
+    rank first, then in registration order."""
+    _import_builtin()
+    specs = sorted((s for s in SCHEDULES.values() if s.sweep), key=lambda s: s.virtual_stages)
+    return {s.name: s.virtual_stages for s in specs}
 
 
 def _import_builtin() -> None:

@@ -14,7 +14,7 @@ def _check(p: int, m: int, v: int) -> str | None:
     return exact_virtual_stages(v, 1)
 
 
-@register("gpipe", _check, "all forwards, then all backwards (fill-drain); holds m microbatches")
+@register("gpipe", _check, "all forwards, then all backwards (fill-drain); holds m microbatches", sweep=True)
 def build_gpipe(p: int, m: int, v: int) -> Schedule:
     ranks = tuple(
         tuple(Action(r, Kind.F, mb) for mb in range(m)) + tuple(Action(r, Kind.B, mb) for mb in range(m))

@@ -66,6 +66,8 @@ def interleaved_order(rank: int, p: int, m: int, v: int) -> list[Action]:
     "interleaved-1f1b",
     _check,
     "Megatron's interleaved 1F1B, v >= 2 chunks per rank (loop placement); bubble (p-1)/v of 1F1B's",
+    virtual_stages=2,
+    sweep=True,
 )
 def build_interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     ranks = tuple(tuple(interleaved_order(r, p, m, v)) for r in range(p))

@@ -27,7 +27,8 @@ def one_f_one_b_order(rank: int, p: int, m: int, backward: Kind = Kind.B) -> lis
     return order
 
 
-@register("1f1b", _check, "one-forward-one-backward (PipeDream-flush); rank i holds min(p-i, m) microbatches")
+@register("1f1b", _check, "one-forward-one-backward (PipeDream-flush); rank i holds min(p-i, m) microbatches",
+          sweep=True)
 def build_1f1b(p: int, m: int, v: int) -> Schedule:
     ranks = tuple(tuple(one_f_one_b_order(r, p, m)) for r in range(p))
     return Schedule("1f1b", p, m, ranks, loop_placement(p, 1))

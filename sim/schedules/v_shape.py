@@ -156,7 +156,8 @@ def _check_v_half(p: int, m: int, v: int) -> str | None:
     return exact_virtual_stages(v, 2)
 
 
-@register("v-half", _check_v_half, "V placement, split backward, peak (p+2)//2 microbatches (half of 1F1B's)")
+@register("v-half", _check_v_half, "V placement, split backward, peak (p+2)//2 microbatches (half of 1F1B's)",
+          virtual_stages=2)
 def build_v_half(p: int, m: int, v: int) -> Schedule:
     plan = list_schedule(p, m, 2, Admission(v_half_limit(p), deferred_w_limit(p, 2)))
     return Schedule("v-half", 2 * p, m, plan.ranks, zigzag_placement(p, 2))
@@ -190,6 +191,7 @@ def chronos_plan(p: int, m: int, v: int, slowdown: float = CHRONOS_SLOWDOWN) -> 
     "chronos",
     _check_chronos,
     "zig-zag over v >= 2 (even) chunks, backward first, smallest memory cap within 5% of uncapped step time",
+    virtual_stages=2,
 )
 def build_chronos(p: int, m: int, v: int) -> Schedule:
     _, plan = chronos_plan(p, m, v)

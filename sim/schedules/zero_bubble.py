@@ -92,7 +92,8 @@ def zbv_order(rank: int, p: int, m: int) -> list[Action]:
     return [a for a in order if a.microbatch < m]
 
 
-@register("zbv", _check_zbv, "zero bubble V: 2 chunks per rank in V placement, split backward, 1F1B memory")
+@register("zbv", _check_zbv, "zero bubble V: 2 chunks per rank in V placement, split backward, 1F1B memory",
+          virtual_stages=2, sweep=True)
 def build_zbv(p: int, m: int, v: int) -> Schedule:
     ranks = tuple(tuple(zbv_order(r, p, m)) for r in range(p))
     return Schedule("zbv", 2 * p, m, ranks, v_placement(p))
