@@ -30,7 +30,7 @@ import simpy
 
 from sim.costs import CostTable, per_rank_sum
 from sim.errors import ScheduleError
-from sim.graph import CopyOrder, step_structure
+from sim.graph import CopyOrder, SideTask, side_chains, step_structure
 from sim.ir import BACKWARD_KINDS, Action, Kind, Schedule
 from sim.memory_plan import MemoryPlan, keep_everything
 
@@ -224,7 +224,7 @@ class _StepSimulation:
         self.rank_forwards: list[list[int]] = [[] for _ in range(n_ranks)]  # F indices in the order they ran
         self.copy_end = 0.0
         self.copy_log: list[list] = []  # [rank, stream, what, action index or -1, stage, start, end] at grant
-        self.last_backward = {i: c for c, i in st.last_backward.items()} if mem.has_step_copies else {}
+        self.side_chains = side_chains(schedule, mem)  # work that follows an action off the compute stream
 
     # ---- memory ------------------------------------------------------------------------------------------
     def _record(self, rank: int, at: float) -> None:
@@ -313,20 +313,19 @@ class _StepSimulation:
             yield event
             self.stall[rank] += self.env.now - ready
 
-    # ---- the optimizer step's copies when model states live off HBM ---------------------------------------
-    def _step_copies(self, stage: int, rank: int):
-        m = self.mem
-        with self.d2h[rank].request() as req:
-            yield req
-            entry = self._log(rank, "d2h", "step", -1, stage)
-            yield self.env.timeout(float(m.step_d2h_bytes[stage]) / m.host_link_bps)
-            entry[-1] = self.env.now
-        yield self.env.timeout(float(m.step_host_s[stage]))
-        with self.h2d[rank].request() as req:
-            yield req
-            entry = self._log(rank, "h2d", "step", -1, stage)
-            yield self.env.timeout(float(m.step_h2d_bytes[stage]) / m.host_link_bps)
-            entry[-1] = self.env.now
+    # ---- side chains: the optimizer step's copies when model states live off HBM (sim.graph.side_chains) ----
+    def _side_chain(self, chain: tuple[SideTask, ...], rank: int):
+        """One chain of side tasks (sim.graph.side_chains): each queues on its copy engine (FIFO) or runs on
+        the host, after the previous one; the step ends no earlier than the chain."""
+        for task in chain:
+            if task.stream is None:
+                yield self.env.timeout(task.seconds)
+                continue
+            with (self.d2h if task.stream == "d2h" else self.h2d)[rank].request() as req:
+                yield req
+                entry = self._log(rank, task.stream, "step", -1, task.chunk)
+                yield self.env.timeout(task.seconds)
+                entry[-1] = self.env.now
         self.copy_end = max(self.copy_end, self.env.now)
 
     # ---- the ranks -----------------------------------------------------------------------------------------
@@ -395,8 +394,8 @@ class _StepSimulation:
             if offloads and kind is Kind.F:
                 self.rank_forwards[rank].append(i)
                 env.process(self._offload(i, rank))
-            if i in self.last_backward:
-                env.process(self._step_copies(self.last_backward[i], rank))
+            if i in self.side_chains:
+                env.process(self._side_chain(self.side_chains[i], rank))
 
     def run(self) -> SimResult:
         for r in range(self.sched.num_ranks):

@@ -344,16 +344,43 @@ def add_activation_copies(g: GraphBuilder, mem: MemoryPlan) -> None:
             g.add_edge(q, i)
 
 
+@dataclass(frozen=True, slots=True)
+class SideTask:
+    """Work that follows an action off its rank's compute stream, one after another in its chain."""
+
+    kind: NodeKind
+    key: str  # the node's key in a StepGraph, with `chunk`: (key, chunk)
+    stream: str | None  # the rank's copy engine it queues on ("d2h" | "h2d", FIFO), or None (host work)
+    seconds: float
+    chunk: int
+
+
+def side_chains(schedule: Schedule, mem: MemoryPlan) -> dict[int, tuple[SideTask, ...]]:
+    """Action node -> the chain of side tasks that starts when it ends; the step ends when every chain has.
+    Today: the optimizer step's copies with model states off HBM (gradients out, the host's Adam, weights
+    back) after each chunk's last B/W. Another kind of tail work (a data-parallel gradient bucket, a weight
+    prefetch) is one more entry here: the engine runs these chains and the freeze DAG adds their nodes."""
+    if not mem.has_step_copies:
+        return {}
+    chains = {}
+    for c, i in step_structure(schedule).last_backward.items():
+        chains[i] = (
+            SideTask(NodeKind.STEP_D2H, "step-d2h", "d2h", float(mem.step_d2h_bytes[c] / mem.host_link_bps), c),
+            SideTask(NodeKind.STEP_HOST, "step-host", None, float(mem.step_host_s[c]), c),
+            SideTask(NodeKind.STEP_H2D, "step-h2d", "h2d", float(mem.step_h2d_bytes[c] / mem.host_link_bps), c),
+        )
+    return chains
+
+
 def add_step_copies(g: GraphBuilder, mem: MemoryPlan) -> None:
-    """Gradients out, the host's optimizer step, weights back: after each chunk's last B/W; each ends the step."""
-    for c, i in g.structure.last_backward.items():
-        d2h = g.add_node(NodeKind.STEP_D2H, ("step-d2h", c), mem.step_d2h_bytes[c] / mem.host_link_bps)
-        host = g.add_node(NodeKind.STEP_HOST, ("step-host", c), mem.step_host_s[c])
-        h2d = g.add_node(NodeKind.STEP_H2D, ("step-h2d", c), mem.step_h2d_bytes[c] / mem.host_link_bps)
-        g.add_edge(i, d2h)
-        g.add_edge(d2h, host)
-        g.add_edge(host, h2d)
-        g.sinks.append(h2d)
+    """Each side chain (side_chains) as nodes after its action; each chain's last node ends the step."""
+    for i, chain in side_chains(g.schedule, mem).items():
+        prev = i
+        for task in chain:
+            node = g.add_node(task.kind, (task.key, task.chunk), task.seconds)
+            g.add_edge(prev, node)
+            prev = node
+        g.sinks.append(prev)
 
 
 def prefetch_issuer(schedule: Schedule, lookahead: int) -> dict[int, int]:
