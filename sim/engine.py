@@ -30,7 +30,7 @@ import simpy
 
 from sim.costs import CostTable, per_rank_sum
 from sim.errors import ScheduleError
-from sim.graph import CopyOrder, SideTask, side_chains, step_structure
+from sim.graph import CopyOrder, SideTask, prefetch_issuer, side_chains, step_structure
 from sim.ir import BACKWARD_KINDS, Action, Kind, Schedule
 from sim.memory_plan import MemoryPlan, keep_everything
 
@@ -222,6 +222,10 @@ class _StepSimulation:
             if self.offloads else {}  # F index -> its copy out finished
         self.prefetched: dict[int, simpy.Event] = {}  # B/I index -> its activations are back in HBM
         self.rank_forwards: list[list[int]] = [[] for _ in range(n_ranks)]  # F indices in the order they ran
+        self.issuer = prefetch_issuer(schedule, mem.prefetch_lookahead) if self.offloads else {}  # B/I -> node
+        self.issues: dict[int, list[int]] = {}  # node -> the B/I prefetches its start issues, in rank order
+        for b, at in self.issuer.items():
+            self.issues.setdefault(at, []).append(b)
         self.copy_end = 0.0
         self.copy_log: list[list] = []  # [rank, stream, what, action index or -1, stage, start, end] at grant
         self.side_chains = side_chains(schedule, mem)  # work that follows an action off the compute stream
@@ -294,14 +298,11 @@ class _StepSimulation:
         self.copy_log.append(entry)
         return entry
 
-    def _issue_prefetches(self, rank: int, k: int) -> None:
-        """At the start of position k, queue the prefetch of the backward `lookahead` places later (at k = 0,
-        of every backward up to there)."""
-        slots = self.rank_slices[rank]
-        look = self.mem.prefetch_lookahead
-        for pos in range(k + look if k else 0, min(k + look, len(slots) - 1) + 1):
-            b = slots[pos]
-            if self.forward_of[b] >= 0 and b not in self.prefetched:
+    def _issue_prefetches(self, rank: int, i: int) -> None:
+        """As action i starts, queue the prefetches it issues (sim.graph.prefetch_issuer: of the backward
+        `lookahead` places later on its rank; the first action, of every backward up to there)."""
+        for b in self.issues.get(i, ()):
+            if b not in self.prefetched:
                 self.prefetched[b] = self.env.event()
                 self.env.process(self._prefetch(b, rank))
 
@@ -350,7 +351,7 @@ class _StepSimulation:
     def _rank_process(self, rank: int):
         env, deps, end, arrive, acts = self.env, self.deps, self.end, self.arrive, self.actions
         offloads = self.offloads
-        for k, i in enumerate(self.rank_slices[rank]):
+        for i in self.rank_slices[rank]:
             ready = env.now
             for j, via in deps[i]:
                 if end[j] is None:
@@ -367,14 +368,14 @@ class _StepSimulation:
                 forwards = self.rank_forwards[rank]
                 gate = self.copied[forwards[-2]] if kind is Kind.F and len(forwards) >= 2 else None
                 if backward and i not in self.prefetched:
-                    self._issue_prefetches(rank, k - self.mem.prefetch_lookahead)
+                    self._issue_prefetches(rank, self.issuer[i])
                 for event in (gate, self.prefetched.get(i) if backward else None):
                     if event is not None:
                         yield from self._wait(event, rank, ready)
                         ready = max(ready, env.now)
                 if ready > env.now:
                     yield env.timeout(ready - env.now)
-                self._issue_prefetches(rank, k)
+                self._issue_prefetches(rank, i)
             dur = self.duration[i]
             if kind is Kind.F:
                 self._allocate(rank, self.kept[i], ready, i)
