@@ -1,22 +1,26 @@
 """The step graph: the rules of one training step, written once, that the engine, the LPs and the runtime read.
 
-What an action waits for is one rule (`data_inputs`): F(s, mb) consumes F(s-1, mb)'s activation; B or I
-(s, mb) consumes its own F(s, mb) and the input gradient of the backward (B or I) of (s+1, mb); W(s, mb)
-consumes I(s, mb). A rank runs its actions in the schedule's order. Everything else is built on that:
+What an action waits for is one rule (`input_pattern`, `data_inputs`): F(s, mb) consumes F(s-1, mb)'s
+activation; B or I (s, mb) consumes its own F(s, mb) and the input gradient of the backward (B or I) of
+(s+1, mb); W(s, mb) consumes I(s, mb). A rank runs its actions in the schedule's order. Built on that:
 
-    StepStructure   the schedule alone, as index arrays (cached on the schedule): per action its rank, its
+    StepStructure   the schedule alone, as index lists (cached on the schedule): per action its rank, its
                     inputs (and whether each crosses stages, so travels a link when the stages' ranks differ),
                     its own forward (for B/I), and the action after which each chunk's optimizer step runs.
                     The SimPy engine (sim/engine.py) runs this; the runtime asks it what an action receives.
+    side_chains     work that follows an action off the compute stream, task after task on a copy engine or
+                    the host (today the optimizer step's copies); the engine runs them, the graph adds them.
+    prefetch_issuer which action's start issues each backward's prefetch (the offload lookahead).
     StepGraph       the structure timed: nodes with durations, edges u -> v meaning start(v) >= finish(u) +
                     delay, as arrays. Node kinds are compute actions, link transfers and copy-engine copies
                     (activation offload / prefetch, the optimizer step's copies). The freeze LP
                     (solver/freeze_dag.py) is this graph plus freezable durations; the memory MILP writes its
                     precedence rows over these edges; sim/dag.py turns it into networkx for a longest path.
 
-Adding a kind of node is one builder: a function that takes a `GraphBuilder`, adds its nodes with their
-durations (`add_node(kind, key, seconds)`) and its edges, as `add_links`, `add_activation_copies` and
-`add_step_copies` do below.
+Adding a kind of node is one builder: a `NodeKind` and a function that takes a `GraphBuilder` and adds its
+nodes with their durations (`add_node(kind, key, seconds)`) and its edges, as `add_links` and
+`add_activation_copies` do; work that just follows an action (a data-parallel gradient bucket, an optimizer
+step) is one more entry in `side_chains`, which the engine and the freeze DAG both read.
 """
 
 from __future__ import annotations
