@@ -1,7 +1,7 @@
 """Memory planner: per chunk, how many layers keep, recompute, or offload their activations, and per rank
 whether model states go to host memory — the fastest step whose HBM fits. A MILP on HiGHS.
 
-Sets: actions i (the schedule DAG, sim/dag.py via solver.freeze_dag), chunks c with L_c layers, ranks r,
+Sets: nodes i of the step graph (sim/graph.py, as solver.freeze_dag arrays), chunks c with L_c layers, ranks r,
 positions k in each rank's order. Per layer of chunk c: a_c activation bytes, q_c kept under recomputation,
 f_c forward seconds; A_c the chunk's activation bytes; m microbatches.
 
