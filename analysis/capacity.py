@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from sim.config import Scenario, load_scenario
 from sim.costs import build_cost_table
 from sim.engine import SimResult, simulate
@@ -126,14 +128,33 @@ def model_params(sc: Scenario, layers: int) -> int:
     return layers * per_layer + 2 * m.vocab * m.hidden + m.hidden
 
 
+class PolicyDepths:
+    """Evaluations of one policy at any depth, cached: the capacity search and the frontier share them."""
+
+    def __init__(self, sc_path: str | None, overrides: dict[str, Any], policy: Policy, stages: int):
+        self.sc_path, self.overrides, self.policy = sc_path, overrides, policy
+        self.step = stages * policy.virtual_stages  # depths are multiples of the chunk count
+        self._cache: dict[int, Evaluation] = {}
+
+    def __call__(self, layers: int) -> Evaluation:
+        if layers not in self._cache:
+            self._cache[layers] = evaluate(self.sc_path, self.overrides, self.policy, layers)
+        return self._cache[layers]
+
+    def round_up(self, layers: float) -> int:
+        return max(self.step, -(-int(layers * 1000) // (1000 * self.step)) * self.step)
+
+
 def capacity_table(
     sc_path: str | None,
     policies: list[str],
     progress: Callable[[str], None] | None = None,
     target_ratio: float = 2.4,
+    depths: dict[str, PolicyDepths] | None = None,
 ) -> list[dict]:
     """One row per policy: max layers and params that fit, throughput there, the scenario's own depth, and
-    the depth `target_ratio` x plain 1F1B's maximum (ChronosPipe's 2.4x claim): fits there, and how fast."""
+    the depth `target_ratio` x plain 1F1B's maximum (ChronosPipe's 2.4x claim): fits there, and how fast.
+    `depths` (filled here when given) keeps every evaluation for a later frontier."""
     base = load_scenario(sc_path)
     if base.model is None:
         raise ScenarioError("capacity: needs a [model] scenario (explicit costs have no depth to vary)")
@@ -141,24 +162,17 @@ def capacity_table(
     if unknown:
         raise ScenarioError(f"--policies: unknown {', '.join(unknown)}; allowed: {', '.join(POLICIES)}")
     keep = {"memory.hbm_margin_gib": base.memory.hbm_margin_gib}
+    depths = {} if depths is None else depths
     rows = []
-    caches: dict[str, dict[int, Evaluation]] = {}
     for name in policies:
         if progress:
             progress(name)
-        pol = POLICIES[name]
-        step = base.pipeline.stages * pol.virtual_stages
-        cache = caches.setdefault(name, {})
-
-        def fits(layers: int, pol: Policy = pol, cache: dict[int, Evaluation] = cache) -> Evaluation:
-            if layers not in cache:
-                cache[layers] = evaluate(sc_path, keep, pol, layers)
-            return cache[layers]
-
-        best = max_layers(fits, step)
+        fits = depths.setdefault(name, PolicyDepths(sc_path, keep, POLICIES[name], base.pipeline.stages))
+        best = max_layers(fits, fits.step)
         own = base.model.layers
-        at_own = fits(own) if own % step == 0 else None
-        row: dict[str, Any] = {"policy": name, "schedule": pol.schedule, "virtual_stages": pol.virtual_stages}
+        at_own = fits(own) if own % fits.step == 0 else None
+        row: dict[str, Any] = {"policy": name, "schedule": fits.policy.schedule,
+                               "virtual_stages": fits.policy.virtual_stages}
         if best is None or best.result is None:
             row |= {"max_layers": 0, "params": 0}
         else:
@@ -185,15 +199,82 @@ def capacity_table(
             r["layer_throughput_vs_1f1b"] = r["layer_tokens_per_s"] / ref["layer_tokens_per_s"]
     if ref:
         for r in rows:
-            pol = POLICIES[r["policy"]]
-            step = base.pipeline.stages * pol.virtual_stages
-            target = -(-int(target_ratio * ref["max_layers"] * 1000) // (1000 * step)) * step
-            cache = caches[r["policy"]]
-            if target not in cache:
-                cache[target] = evaluate(sc_path, keep, pol, target)
-            ev = cache[target]
+            fits = depths[r["policy"]]
+            target = fits.round_up(target_ratio * ref["max_layers"])
+            ev = fits(target)
             r["target_layers"] = target
             r["fits_target"] = ev.fits
             if ev.fits and ev.result is not None:
                 r["target_layer_throughput_vs_1f1b"] = ev.result.tokens_per_s * target / ref["layer_tokens_per_s"]
     return rows
+
+
+# ---- the depth/speed frontier (`pipeplan capacity --frontier`) --------------------------------------------
+FRONTIER_COLUMNS = ["policy", "layers", "fits", "tokens_per_s", "layer_throughput_vs_1f1b"]
+
+
+def frontier_depths(lo: int, hi: int, step: int, points: int) -> list[int]:
+    """Multiples of `step` from `lo` to `hi`: all of them when there are at most `points`, else `points`
+    of them spaced evenly in log(depth) (depth ranges span 20x and more), both ends included."""
+    lo, hi = max(step, lo - lo % step), hi - hi % step
+    if hi < lo:
+        return []
+    count = (hi - lo) // step + 1
+    if count <= points:
+        return list(range(lo, hi + 1, step))
+    grid = np.geomspace(lo, hi, points)
+    return sorted({round(float(d) / step) * step for d in grid} | {lo, hi})
+
+
+def frontier_table(rows: list[dict], depths: dict[str, PolicyDepths], points: int = 24,
+                   progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Per policy, every depth (or a log grid of `points`) from plain 1F1B's deepest fit (or the policy's
+    own, if shallower) to the policy's deepest fit: fits, tokens/s, and tokens/s x layers relative to plain
+    1F1B at its own deepest fit (the "comparable throughput" reading of ChronosPipe's claims)."""
+    ref = next((r for r in rows if r["policy"] == "1f1b" and r["max_layers"]), None)
+    if ref is None:
+        raise ScenarioError("capacity --frontier: needs the 1f1b policy and a depth at which it fits")
+    out = []
+    for r in rows:
+        if not r["max_layers"]:
+            continue
+        if progress:
+            progress(r["policy"])
+        fits = depths[r["policy"]]
+        lo = min(fits.round_up(ref["max_layers"]), r["max_layers"])
+        for layers in frontier_depths(lo, r["max_layers"], fits.step, points):
+            out.append(frontier_row(r["policy"], fits(layers), ref["layer_tokens_per_s"]))
+    return out
+
+
+def frontier_row(policy: str, ev: Evaluation, ref_layer_tokens_per_s: float) -> dict[str, Any]:
+    tps = ev.result.tokens_per_s if ev.fits and ev.result is not None else None
+    return {"policy": policy, "layers": ev.layers, "fits": ev.fits, "tokens_per_s": tps,
+            "layer_throughput_vs_1f1b": None if tps is None else tps * ev.layers / ref_layer_tokens_per_s}
+
+
+def deepest_at(frontier: list[dict], fits: PolicyDepths, min_throughput: float,
+               ref_layer_tokens_per_s: float) -> dict[str, Any] | None:
+    """The deepest model of one policy at >= `min_throughput` x 1F1B's per-layer throughput: the deepest
+    qualifying grid depth, refined by bisection towards the next grid depth (per-layer throughput falls
+    with depth between two neighbouring grid points once memory binds; the result is re-evaluated, so it
+    always qualifies)."""
+    def ok(row: dict) -> bool:
+        return bool(row["fits"]) and (row["layer_throughput_vs_1f1b"] or 0.0) >= min_throughput
+
+    mine = sorted((r for r in frontier if r["policy"] == fits.policy.name), key=lambda r: r["layers"])
+    good = [i for i, r in enumerate(mine) if ok(r)]
+    if not good:
+        return None
+    i = good[-1]
+    best = mine[i]
+    if i + 1 < len(mine):
+        lo, hi = best["layers"] // fits.step, mine[i + 1]["layers"] // fits.step
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            row = frontier_row(fits.policy.name, fits(mid * fits.step), ref_layer_tokens_per_s)
+            if ok(row):
+                best, lo = row, mid
+            else:
+                hi = mid
+    return best

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
+from matplotlib.ticker import NullFormatter, ScalarFormatter
 from rich.table import Table
 
 from analysis.console import console
@@ -45,4 +46,40 @@ def print_capacity(df: pd.DataFrame) -> None:
                   fmt(r.get("layer_throughput_vs_1f1b"), ".2f"), str(r.get("fits_scenario_layers")),
                   f"{r.get('fits_target')} ({r.get('target_layers')})",
                   fmt(r.get("target_layer_throughput_vs_1f1b"), ".2f"))
+    console.print(t)
+
+
+def frontier_plot(df: pd.DataFrame, answers: dict, min_throughput: float, path: str | Path) -> None:
+    """Per policy, per-layer throughput (relative to plain 1F1B at its deepest fit) against depth."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for policy, g in df[df["fits"].astype(bool)].groupby("policy", sort=False):
+        line, = ax.plot(g["layers"], g["layer_throughput_vs_1f1b"], marker=".", label=policy)
+        best = answers.get(policy)
+        if best is not None:
+            ax.plot([best["layers"]], [best["layer_throughput_vs_1f1b"]], marker="*", markersize=12,
+                    color=line.get_color(), linestyle="none")
+    ax.axhline(min_throughput, color="black", linestyle="--", linewidth=1,
+               label=f"{min_throughput:.0%} of plain 1F1B (★: deepest at or above)")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("layers (log scale)")
+    ax.set_ylabel("tokens/s x layers, relative to 1F1B's deepest fit")
+    ax.set_title("depth against per-layer throughput, per memory policy", fontsize=10)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    save(fig, path)
+
+
+def print_frontier(df: pd.DataFrame, answers: dict, min_throughput: float) -> None:
+    ref = int(df.set_index("policy").loc["1f1b", "max_layers"])
+    t = Table(title=f"deepest model at >= {min_throughput:.0%} of plain 1F1B's per-layer throughput "
+                    f"(1F1B: {ref} layers)", header_style="bold")
+    for col in ("policy", "layers", "x 1f1b depth", "thr/layer vs 1f1b", "tokens/s"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for policy, best in answers.items():
+        if best is None:
+            t.add_row(policy, "none", "-", "-", "-")
+        else:
+            t.add_row(policy, str(best["layers"]), f"{best['layers'] / ref:.2f}",
+                      f"{best['layer_throughput_vs_1f1b']:.2f}", f"{best['tokens_per_s']:,.0f}")
     console.print(t)

@@ -41,3 +41,58 @@ def test_capacity_bad_input(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "unknown magic; allowed: 1f1b" in err and "needs a [model] scenario" in err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_frontier_depths_are_multiples_from_end_to_end():
+    from analysis.capacity import frontier_depths
+
+    assert frontier_depths(40, 72, 16, 24) == [32, 48, 64]  # ends rounded down onto multiples of the step
+    grid = frontier_depths(48, 832, 16, 8)
+    assert grid[0] == 48 and grid[-1] == 832 and len(grid) <= 8 + 2
+    assert all(d % 16 == 0 for d in grid) and grid == sorted(set(grid))
+    assert frontier_depths(64, 32, 16, 8) == []
+
+
+class _FakeDepths:
+    """A policy whose per-layer throughput falls linearly with depth past 100 layers (and fits to 400)."""
+
+    step = 8
+    policy = type("P", (), {"name": "fake"})()
+
+    def __call__(self, layers: int) -> Evaluation:
+        from types import SimpleNamespace
+
+        rate = 1.0 if layers <= 100 else 1.0 - (layers - 100) / 600
+        return Evaluation(layers, layers <= 400, SimpleNamespace(tokens_per_s=rate * 1000 / layers))
+
+
+def test_deepest_at_matches_a_scan_of_every_depth():
+    from analysis.capacity import deepest_at, frontier_depths, frontier_row
+
+    fits = _FakeDepths()
+    rows = [frontier_row("fake", fits(d), 1000.0) for d in frontier_depths(8, 400, 8, 6)]
+    for x in (0.99, 0.95, 0.8, 0.5):
+        scan = max(d for d in range(8, 401, 8) if fits(d).fits and fits(d).result.tokens_per_s * d / 1000 >= x)
+        best = deepest_at(rows, fits, x, 1000.0)
+        assert best["layers"] == scan, x
+        assert best["layer_throughput_vs_1f1b"] >= x
+    assert deepest_at(rows, fits, 1.5, 1000.0) is None
+
+
+def test_capacity_frontier_cli(tmp_path, capsys):
+    out = tmp_path / "cap"
+    assert main(["capacity", SEVENTY, "--policies", "v-half", "--frontier", "--points", "3", "--out", str(out)]) == 0
+    cap = pd.read_csv(out / "capacity.csv").set_index("policy")
+    fr = pd.read_csv(out / "frontier.csv")
+    assert list(fr.columns) == ["policy", "layers", "fits", "tokens_per_s", "layer_throughput_vs_1f1b"]
+    assert set(fr["policy"]) == {"1f1b", "v-half"}  # 1f1b joins as the reference
+    assert (out / "frontier.png").exists()
+    ref = cap.loc["1f1b", "tokens_per_s"] * cap.loc["1f1b", "max_layers"]
+    for r in fr[fr["fits"]].itertuples():
+        assert abs(r.layer_throughput_vs_1f1b - r.tokens_per_s * r.layers / ref) < 1e-9
+    vh = fr[fr["policy"] == "v-half"]
+    assert vh["layers"].max() == cap.loc["v-half", "max_layers"] and vh["fits"].all()
+    one = fr[fr["policy"] == "1f1b"]
+    assert list(one["layers"]) == [cap.loc["1f1b", "max_layers"]] and one["layer_throughput_vs_1f1b"].iloc[0] == 1.0
+    assert "deepest model at >= 95%" in capsys.readouterr().out
+    assert main(["capacity", SEVENTY, "--frontier", "--points", "1", "--out", str(tmp_path / "b")]) == 2

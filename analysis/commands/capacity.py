@@ -1,4 +1,8 @@
-"""`pipeplan capacity`: per memory policy, the deepest model of the scenario's width that fits, and its speed."""
+"""`pipeplan capacity`: per memory policy, the deepest model of the scenario's width that fits, and its speed.
+
+    pipeplan capacity scenarios/llama2-70b-48l-pp8-tp8-a100.toml
+    pipeplan capacity scenarios/llama2-70b-48l-pp8-tp8-a100.toml --frontier --min-throughput 0.95
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated policies (default: all): " + ", ".join(POLICIES))
     parser.add_argument("--target-ratio", type=float, default=2.4,
                         help="also test each policy at this multiple of plain 1F1B's max depth (default: 2.4)")
+    parser.add_argument("--frontier", action="store_true",
+                        help="also trace depth against speed per policy, from 1F1B's deepest fit to the policy's: "
+                             "frontier.csv, frontier.png, and the deepest model at >= --min-throughput")
+    parser.add_argument("--min-throughput", type=float, default=0.95,
+                        help="with --frontier: per-layer throughput relative to plain 1F1B at its deepest fit "
+                             "that the answer must keep (default: 0.95)")
+    parser.add_argument("--points", type=int, default=24,
+                        help="with --frontier: depths per policy at most, log-spaced (default: 24)")
     parser.add_argument("--out", default="out/capacity", help="output folder (default: out/capacity)")
 
 
@@ -22,24 +34,43 @@ def run(args: argparse.Namespace) -> int:
     import pandas as pd
     from rich.progress import Progress
 
-    from analysis.capacity import capacity_table
-    from analysis.capacity_plots import capacity_plot, print_capacity
+    from analysis.capacity import FRONTIER_COLUMNS, PolicyDepths, capacity_table, deepest_at, frontier_table
+    from analysis.capacity_plots import capacity_plot, frontier_plot, print_capacity, print_frontier
     from common.io import atomic_write_text, staged_output
+    from sim.errors import ScenarioError
 
+    if not 0 < args.min_throughput <= 10 or args.min_throughput != args.min_throughput:
+        raise ScenarioError(f"--min-throughput: {args.min_throughput} must be in (0, 10] (1.0 = plain 1F1B's)")
+    if not 2 <= args.points <= 256:
+        raise ScenarioError(f"--points: {args.points} must be from 2 to 256")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if args.frontier and "1f1b" not in policies:
+        policies.insert(0, "1f1b")  # the reference every frontier row is measured against
+    depths: dict[str, PolicyDepths] = {}
     with Progress(transient=True) as bar:
-        task = bar.add_task("capacity", total=len(policies))
+        task = bar.add_task("capacity", total=len(policies) * (2 if args.frontier else 1))
 
         def step(name: str) -> None:
-            bar.update(task, advance=0 if bar.tasks[0].completed == 0 and name == policies[0] else 1,
-                       description=f"capacity: {name}")
+            bar.update(task, advance=1, description=f"capacity: {name}")
 
-        rows = capacity_table(args.scenario, policies, progress=step, target_ratio=args.target_ratio)
-        bar.update(task, completed=len(policies))
+        rows = capacity_table(args.scenario, policies, progress=step, target_ratio=args.target_ratio,
+                              depths=depths)
+        frontier = frontier_table(rows, depths, args.points, progress=step) if args.frontier else None
     df = pd.DataFrame(rows)
+    written = ["capacity.csv", "capacity.png"]
     with staged_output(args.out) as stage:
         atomic_write_text(stage / "capacity.csv", df.to_csv(index=False))
         capacity_plot(df, stage / "capacity.png")
+        if frontier is not None:
+            ref = df.set_index("policy").loc["1f1b", "layer_tokens_per_s"]
+            answers = {p: deepest_at(frontier, depths[p], args.min_throughput, ref) for p in policies
+                       if p in depths}
+            fdf = pd.DataFrame(frontier, columns=FRONTIER_COLUMNS)
+            atomic_write_text(stage / "frontier.csv", fdf.to_csv(index=False))
+            frontier_plot(fdf, answers, args.min_throughput, stage / "frontier.png")
+            written += ["frontier.csv", "frontier.png"]
     print_capacity(df)
-    print(f"wrote {args.out}/: capacity.csv capacity.png")
+    if frontier is not None:
+        print_frontier(df, answers, args.min_throughput)
+    print(f"wrote {args.out}/: {' '.join(written)}")
     return 0
