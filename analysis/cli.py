@@ -7,6 +7,7 @@
     pipeplan report DIR
     pipeplan run [SCENARIO] [--schedule NAME] [--steps N] [--out DIR]
     pipeplan profile [SCENARIO] [--out DIR]
+    pipeplan validate [--published CSV] [--out DIR]
     pipeplan bench sim|plan|sweep [--out DIR]
     pipeplan lcp build|query|bench ...
 
@@ -28,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "capacity": ("analysis.commands.capacity", "per memory policy, the deepest model that fits HBM and its speed"),
     "sweep": ("analysis.commands.sweep", "what-if grid over scenario keys: ranked, Pareto plot, heatmap; resumable"),
     "report": ("analysis.commands.report", "one readable page (HTML + Markdown) from any pipeplan output folder"),
+    "validate": ("analysis.commands.validate", "predict published measurements (papers, torchtitan) and report errors"),
     "bench": ("analysis.commands.bench", "benchmarks: simulator and planner speed, CSV + figures"),
     "lcp": ("analysis.commands.lcp", "exact top-k longest-common-prefix index: build, query, bench"),
     "run": ("analysis.commands.run", "execute a verified plan with torch.distributed and measure it"),
