@@ -30,9 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from scenarios import SCENARIO_DIR
 from sim.errors import PipeplanError
 
-VALIDATION_DIR = Path(__file__).resolve().parent.parent / "scenarios" / "validation"
+VALIDATION_DIR = SCENARIO_DIR / "validation"
 PUBLISHED_CSV = VALIDATION_DIR / "published.csv"
 COLUMNS = ("source", "table", "case", "metric", "quantity", "published", "unit", "scenario", "overrides",
            "ratio_of", "scored", "citation", "notes")
