@@ -179,7 +179,7 @@ class Quantity:
     """What a row measures: its metric, how to read it off a setting (in base units), and its units."""
 
     metric: str
-    read: Callable[[Setting], float]
+    read: Callable[[Setting], float] | None  # None: a ratio, predicted from the two rows it names
     units: dict[str, float]  # unit name -> size of one unit in base units
 
 
@@ -201,7 +201,7 @@ QUANTITIES: dict[str, Quantity] = {
     "tflops_per_gpu": Quantity("throughput", _flops_per_gpu_s(narayanan_flops), {"TFLOP/s/GPU": 1e12}),
     "mfu": Quantity("throughput", _utilisation(korthikanti_model_flops), {"%": 0.01}),
     "hfu": Quantity("throughput", _utilisation(korthikanti_hardware_flops), {"%": 0.01}),
-    "ratio": Quantity("ratio", lambda st: math.nan, {"1": 1.0}),
+    "ratio": Quantity("ratio", None, {"1": 1.0}),
 }
 
 
@@ -320,6 +320,7 @@ def _predict_direct(f: PublishedFigure, folder: Path, settings: dict[Any, Settin
     if isinstance(st, str):
         return Prediction(f, None, st)
     quantity = QUANTITIES[f.quantity]
+    assert quantity.read is not None, "ratios are predicted from their rows"
     try:
         value = quantity.read(st)
     except PipeplanError as exc:
