@@ -273,15 +273,19 @@ def load_published(path: str | Path | None = None) -> list[PublishedFigure]:
 
 
 def _check_references(figures: list[PublishedFigure], path: Path) -> None:
+    direct: set[tuple[str, str]] = set()
     seen: set[tuple[str, str]] = set()
     for f in figures:
         if (f.source, f.case) in seen:
             raise PipeplanError(f"{path.name}: case {f.case!r} appears twice in source {f.source}")
         seen.add((f.source, f.case))
+        if f.ratio_of is None:
+            direct.add((f.source, f.case))
     for f in figures:
         for ref in f.ratio_of or ():
-            if (f.source, ref) not in seen:
-                raise PipeplanError(f"{path.name}: ratio {f.case!r} refers to {ref!r}, not a case of {f.source}")
+            if (f.source, ref) not in direct:
+                raise PipeplanError(f"{path.name}: ratio {f.case!r} refers to {ref!r}, not a non-ratio case of "
+                                    f"{f.source}")
 
 
 # ---- predicting ----------------------------------------------------------------------------------------------

@@ -172,6 +172,8 @@ def test_a_row_without_a_prediction_says_why(predictions):
     ("{header}\ns,T,c,memory,peak_hbm,1,furlongs,x.toml,,,true,cite,\n", "unit 'furlongs'"),
     ("{header}\ns,T,c,speed,peak_hbm,1,GiB,x.toml,,,true,cite,\n", "metric 'speed'"),
     ("{header}\ns,T,c,ratio,ratio,1,1,,,a|b,true,cite,\n", "refers to 'a'"),
+    ("{header}\ns,T,a,time,step_time,1,s,x.toml,,,true,cite,\ns,T,r,ratio,ratio,1,1,,,a|r,true,cite,\n",
+     "refers to 'r'"),
 ])
 def test_bad_published_csv_exits_2_with_one_line(tmp_path, capsys, text, expected):
     from analysis.validation import COLUMNS
