@@ -1,4 +1,10 @@
-"""`pipeplan simulate`: simulate one training step of a scenario and write its trace, plots and summary."""
+"""`pipeplan simulate`: simulate one training step of a scenario and write its trace, plots and summary.
+
+    pipeplan simulate                                        # the built-in LLaMA-3 8B on 4 x H100, 1F1B
+    pipeplan simulate llama3-8b-pp4-h100 --schedule zbv      # zbv takes 2 chunks per rank: no flag needed
+    pipeplan simulate my.toml --set pipeline.microbatches=32 --set memory.recompute=full --out out/sim32
+    pipeplan simulate explicit-unit --schedule-csv torch_schedule.csv   # an action order from torch
+"""
 
 from __future__ import annotations
 
