@@ -172,7 +172,7 @@ def _block(kind: str, payload: Any, md: list[str], body: list[str]) -> None:
         body.append(f"<{kind}>{html.escape(payload)}</{kind}>")
     elif kind == "table":
         df = payload
-        md += [df.to_markdown(index=False, missingval=NA), ""]
+        md += [df.astype(object).where(pd.notna(df), NA).to_markdown(index=False), ""]
         body.append(df.to_html(index=False, border=0, classes="t", na_rep=NA,
                                float_format=lambda x: f"{x:.6g}"))
     elif kind == "image":

@@ -228,7 +228,7 @@ def _run_on_cluster(
             scenario = str(resolve_scenario_path(scenario).resolve())
         futures = [client.submit(evaluate, scenario, c, plan_freeze, base, pure=False) for c in todo]
         try:
-            for fut in as_completed(futures):
+            for fut in as_completed(futures, loop=client.loop):
                 yield fut.result()
         finally:
             client.cancel(futures)

@@ -19,10 +19,15 @@ import numpy as np
 import pandas as pd
 from rich.table import Table
 
-from analysis.commands.simulate import add_scenario_argument, add_set_argument, scenario_overrides
+from analysis.commands.simulate import (
+    VIRTUAL_STAGES_HELP,
+    add_scenario_argument,
+    add_set_argument,
+    scenario_overrides,
+)
 from analysis.console import console, fit_line, gib
 from analysis.freeze_plots import freeze_heatmap, sweep_plot
-from analysis.outputs import write_simulation
+from analysis.outputs import scenario_title, write_simulation
 from analysis.plots import gantt
 from common.io import atomic_write_json, atomic_write_text, staged_output
 from sim.config import load_scenario
@@ -50,9 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     order.add_argument(
         "--schedule-csv", help="plan this action order (torch action-string CSV, one row per rank)"
     )
-    parser.add_argument(
-        "--virtual-stages", type=int, help="override pipeline.virtual_stages (chunks per rank)"
-    )
+    parser.add_argument("--virtual-stages", type=int, help=VIRTUAL_STAGES_HELP)
     add_set_argument(parser)
     parser.add_argument("--out", default=None, help="output folder (default: out/plan, or out/plan-sweep)")
 
@@ -67,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_scenario(scenario, args.schedule_csv)
     out = args.out or "out/plan"
     with staged_output(out) as stage:
-        summary = write_plan(plan, stage, scenario_name=str(args.scenario or "llama3-8b-pp4-h100 (default)"))
+        summary = write_plan(plan, stage, scenario_name=str(args.scenario or "llama3-8b-pp4-h100 (default)"),
+                             about=scenario_title(scenario, args.scenario))
     print_plan(summary)
     print(
         f"wrote {out}/: plan.json freeze.csv baselines.csv freeze_heatmap.png gantt_before.png "
@@ -77,11 +81,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_plan(plan: FreezePlan, folder: Path, scenario_name: str = "") -> dict[str, Any]:
-    """Every output of one plan; returns plan.json's content."""
+def write_plan(plan: FreezePlan, folder: Path, scenario_name: str = "", about: str = "") -> dict[str, Any]:
+    """Every output of one plan; returns plan.json's content. `about` names model and device in the titles."""
     sched, sol = plan.schedule, plan.solution
     size = f"p={sched.num_ranks} m={sched.num_microbatches} v={sched.virtual_stages}"
-    title = f"{sched.name}: {size}, cap {plan.cap:g}"
+    title = f"{about + ' - ' if about else ''}{sched.name}: {size}, cap {plan.cap:g}"
     actions = plan.actions_table()
     summary: dict[str, Any] = {
         "scenario": scenario_name,

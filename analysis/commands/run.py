@@ -2,7 +2,7 @@
 the same schedule the simulator uses, and write the measured step next to the simulator's prediction.
 
     pipeplan run                                            # tiny-cpu, 4 ranks (gloo), its 1f1b schedule
-    pipeplan run scenarios/tiny-cpu.toml --schedule zbv --virtual-stages 2 --steps 20 --out out/zbv
+    pipeplan run scenarios/tiny-cpu.toml --schedule zbv --steps 20 --out out/zbv
     pipeplan run --freeze timelyfreeze --cap 0.5 --steps 30    # TimelyFreeze: monitor, solve the LP, ramp
     pipeplan run --costs out/profile/scenario.toml         # predict with profiled costs (pipeplan profile)
     # two nodes x 2 ranks: run on each node (node 0's address as the endpoint)
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from analysis.commands.simulate import add_schedule_arguments, scenario_overrides
@@ -115,11 +117,26 @@ def launch_job(cfg: RunConfig, args: argparse.Namespace, out: str) -> dict | Non
     rdzv = rendezvous(args, schedule.num_ranks)
     with staged_output(out) as stage:
         cfg.out_dir = str(stage)
-        code = launch(cfg, rdzv)
+        with waiting(f"{'profiling' if cfg.profile else 'running'} {schedule.name} on {schedule.num_ranks} ranks, "
+                     f"{cfg.steps} steps"):
+            code = launch(cfg, rdzv)
         if code != 0:
             raise JobFailed(code)
         summary = stage / ("summary.json" if not cfg.profile else "profile.json")
         return json.loads(summary.read_text()) if summary.exists() else None
+
+
+@contextmanager
+def waiting(what: str) -> Iterator[None]:
+    """A spinner with the elapsed time while the ranks run (tens of seconds on a CPU), gone when they end."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from analysis.console import console
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=True) as bar:
+        bar.add_task(what, total=None)
+        yield
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
     from analysis.commands.simulate import scenario_overrides
     from analysis.console import console
+    from analysis.outputs import scenario_title
     from analysis.sweep import parse_grid, run_sweep
     from analysis.sweep_plots import heatmap_plot, pareto_plot, print_invalid, print_ranked
 
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         rows = run_sweep(args.scenario, grid, out, args.jobs, args.plan or "freeze.cap" in grid,
                          progress=lambda done, total: bar.update(task, completed=done, total=total),
                          base=base, scheduler=args.scheduler)
-    title = _title(args.scenario, base)
+    title = scenario_title(load_scenario(args.scenario, base), args.scenario)
     pareto_plot(rows, out / "pareto.png", title)
     if len(axes) >= 2:
         heatmap_plot(rows, axes[0], axes[1], out / "heatmap.png", title)
@@ -71,11 +72,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out}/: sweep.csv pareto.png" + (" heatmap.png" if len(axes) >= 2 else ""))
     return 0
 
-
-def _title(scenario: str | None, base: dict[str, object]) -> str:
-    """'llama3-8b on H100-SXM-80GB' for the figures: the model and device the sweep is about."""
-    from sim.config import load_scenario
-
-    sc = load_scenario(scenario, base)
-    what = sc.model.name if sc.model is not None else Path(str(scenario)).stem
-    return f"{what} on {sc.device.preset}" if sc.model is not None else what
