@@ -106,7 +106,8 @@ STYLE = (
     ".lead{font-size:1.2em;background:#f3f7fb;border-left:4px solid #4C78A8;padding:.7em 1em;margin:1em 0}"
     "table.t{border-collapse:collapse;font-size:13px;margin:.5em 0}"
     "table.t td,table.t th{border-bottom:1px solid #ddd;padding:3px 8px;text-align:right}"
-    "table.t th{background:#fafafa}img{max-width:100%;border:1px solid #eee;margin:.5em 0}"
+    "table.t th{background:#fafafa}table.t td:first-child,table.t th:first-child{text-align:left}"
+    "img{max-width:100%;border:1px solid #eee;margin:.5em 0}"
     "details{margin-top:2em}summary{cursor:pointer;font-weight:bold;font-size:1.1em}.muted{color:#666}"
 )
 NA = "—"

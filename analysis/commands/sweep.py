@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         rows = run_sweep(args.scenario, grid, out, args.jobs, args.plan or "freeze.cap" in grid,
                          progress=lambda done, total: bar.update(task, completed=done, total=total),
                          base=base, scheduler=args.scheduler)
-    title = scenario_title(load_scenario(args.scenario, base), args.scenario)
+    sizes = {"pipeline.stages", "parallel.tp", "parallel.dp"}
+    title = scenario_title(load_scenario(args.scenario, base), args.scenario, count=not sizes & set(grid))
     pareto_plot(rows, out / "pareto.png", title)
     if len(axes) >= 2:
         heatmap_plot(rows, axes[0], axes[1], out / "heatmap.png", title)
