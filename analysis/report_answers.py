@@ -265,6 +265,15 @@ def capacity_answer(folder: Path) -> list[Block]:
         out.append(Block("lead", lead + "."))
     else:
         out.append(Block("lead", "No policy fits even the shallowest model of this width."))
+    table = pd.DataFrame({"policy": df["policy"], "max layers": df["max_layers"]})
+    for src, name, fmt in [("params", "parameters (B)", lambda v: _num(v / 1e9, ".1f")),
+                           ("tokens_per_s", "tokens/s there", _num),
+                           ("layers_vs_1f1b", "layers vs 1F1B", lambda v: _num(v, ".2f")),
+                           ("layer_throughput_vs_1f1b", "throughput x layers vs 1F1B", lambda v: _num(v, ".2f")),
+                           ("fits_scenario_layers", "scenario's depth fits", lambda v: "—" if pd.isna(v) else str(v))]:
+        if src in df:
+            table[name] = [fmt(v) for v in df[src]]
+    out += [Block("h2", "Per memory policy"), Block("table", table)]
     out += [Block("image", folder / "capacity.png")] if (folder / "capacity.png").exists() else []
     return out
 
