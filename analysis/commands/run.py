@@ -33,7 +33,7 @@ class JobFailed(Exception):
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     """Scenario, schedule, device and rendezvous flags shared by `run` and `profile`."""
-    add_schedule_arguments(parser)
+    add_schedule_arguments(parser, default_scenario="tiny-cpu")
     parser.add_argument("--microbatches", type=int, help="override pipeline.microbatches")
     parser.add_argument("--seed", type=int, default=0, help="weights, data and freezing draws (default 0)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",

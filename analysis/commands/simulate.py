@@ -23,15 +23,15 @@ VIRTUAL_STAGES_HELP = (
 )
 
 
-def add_scenario_argument(parser: argparse.ArgumentParser) -> None:
+def add_scenario_argument(parser: argparse.ArgumentParser, default: str = "llama3-8b-pp4-h100") -> None:
+    """The SCENARIO positional; `default` is the shipped scenario the command uses without one."""
     parser.add_argument("scenario", nargs="?", default=None,
-                        help="scenario TOML or a shipped scenario's name (pipeplan scenarios); "
-                             "default: llama3-8b-pp4-h100")
+                        help=f"scenario TOML or a shipped scenario's name (pipeplan scenarios); default: {default}")
 
 
-def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+def add_schedule_arguments(parser: argparse.ArgumentParser, default_scenario: str = "llama3-8b-pp4-h100") -> None:
     """The scenario, and the flags that replace its schedule (read back by `scenario_overrides`)."""
-    add_scenario_argument(parser)
+    add_scenario_argument(parser, default_scenario)
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--schedule", help=f"override pipeline.schedule ({', '.join(schedule_names())})")
     group.add_argument("--schedule-csv", help="run this action order (torch action-string CSV, one row per rank)")
