@@ -133,6 +133,9 @@ def waiting(what: str) -> Iterator[None]:
 
     from analysis.console import console
 
+    if not console.is_terminal:  # logs and pipes get no spinner frames
+        yield
+        return
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                   transient=True) as bar:
         bar.add_task(what, total=None)
