@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 console = Console(width=None if sys.stdout.isatty() else 160)  # logs and pipes get full tables
+
+
+@contextmanager
+def busy(what: str) -> Iterator[None]:
+    """A spinner with the elapsed time for work of unknown length (ranks training, an LP with its baselines);
+    gone when it ends, and never drawn into logs or pipes."""
+    if not console.is_terminal:
+        yield
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=True) as bar:
+        bar.add_task(what, total=None)
+        yield
 
 
 def gib(x: float) -> str:

@@ -25,7 +25,7 @@ from analysis.commands.simulate import (
     add_set_argument,
     scenario_overrides,
 )
-from analysis.console import console, fit_line, gib
+from analysis.console import busy, console, fit_line, gib
 from analysis.freeze_plots import freeze_heatmap, sweep_plot
 from analysis.outputs import scenario_title, write_simulation
 from analysis.plots import gantt
@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     if args.cap is not None:
         overrides["freeze.cap"] = args.cap
     scenario = load_scenario(args.scenario, overrides)
-    plan = plan_scenario(scenario, args.schedule_csv)
+    with busy(f"planning {scenario.pipeline.schedule}: LP, simulation, baselines"):
+        plan = plan_scenario(scenario, args.schedule_csv)
     out = args.out or "out/plan"
     with staged_output(out) as stage:
         summary = write_plan(plan, stage, scenario_name=str(args.scenario or "llama3-8b-pp4-h100 (default)"),

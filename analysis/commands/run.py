@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from analysis.commands.simulate import add_schedule_arguments, scenario_overrides
+from analysis.console import busy
 from common.io import staged_output
 from runtime.config import FREEZE_MODES, RunConfig
 from runtime.launch import Rendezvous, launch
@@ -117,29 +116,13 @@ def launch_job(cfg: RunConfig, args: argparse.Namespace, out: str) -> dict | Non
     rdzv = rendezvous(args, schedule.num_ranks)
     with staged_output(out) as stage:
         cfg.out_dir = str(stage)
-        with waiting(f"{'profiling' if cfg.profile else 'running'} {schedule.name} on {schedule.num_ranks} ranks, "
+        with busy(f"{'profiling' if cfg.profile else 'running'} {schedule.name} on {schedule.num_ranks} ranks, "
                      f"{cfg.steps} steps"):
             code = launch(cfg, rdzv)
         if code != 0:
             raise JobFailed(code)
         summary = stage / ("summary.json" if not cfg.profile else "profile.json")
         return json.loads(summary.read_text()) if summary.exists() else None
-
-
-@contextmanager
-def waiting(what: str) -> Iterator[None]:
-    """A spinner with the elapsed time while the ranks run (tens of seconds on a CPU), gone when they end."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    from analysis.console import console
-
-    if not console.is_terminal:  # logs and pipes get no spinner frames
-        yield
-        return
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                  transient=True) as bar:
-        bar.add_task(what, total=None)
-        yield
 
 
 def run(args: argparse.Namespace) -> int:
