@@ -25,7 +25,8 @@ MEMORY_TIGHT = 0.05
 """Headroom below this share of capacity counts as memory limiting the configuration."""
 BUBBLE_HIGH = 0.10
 """Bubble ratio above this counts as bubbles limiting the configuration (idle rank-time over the step)."""
-SPEED_NAMES = {"tokens_per_s_per_gpu": "tokens/s per GPU", "tokens_per_s": "tokens/s", "steps_per_s": "steps/s"}
+SPEED_NAMES = {"tokens_per_s_per_gpu": "tokens/s per GPU", "tokens_per_s": "tokens/s", "steps_per_s": "steps/s",
+               "samples_per_s_per_gpu": "sequences/s per GPU"}
 TOP_FITTING = 20
 TOP_NOT_FITTING = 10
 
@@ -127,6 +128,8 @@ def _speed(r: pd.Series) -> str:
         per = r.get("tokens_per_s_per_gpu")
         bits.append(f"{_num(r['tokens_per_s'])} tokens/s" + ("" if per is None or pd.isna(per)
                                                                else f" ({_num(per)} per GPU)"))
+    if "samples_per_s_per_gpu" in r and not pd.isna(r["samples_per_s_per_gpu"]):
+        bits.append(f"{_num(r['samples_per_s_per_gpu'], '.4g')} sequences/s per GPU")
     bits.append(f"step {_num(r['step_time_s'], '.4g')} s")
     bits.append(f"peak HBM {_gib(r['max_peak_hbm_bytes'])}")
     if "mfu" in r and not pd.isna(r["mfu"]):

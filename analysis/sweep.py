@@ -235,19 +235,25 @@ def _run_on_cluster(
 
 
 def speed_column(df: pd.DataFrame) -> str:
-    """What sweeps rank by: tokens/s per GPU (configurations of different sizes compare), or, for explicit-cost
-    scenarios (no tokens) and sweeps written before that column, tokens/s, else steps/s."""
+    """What sweeps rank by: tokens/s per GPU, so configurations of different sizes compare; for explicit-cost
+    scenarios (no tokens), sequences/s per GPU (global_batch / step time / gpus); for sweeps written before
+    those columns, tokens/s, else steps/s."""
     for col in ("tokens_per_s_per_gpu", "tokens_per_s"):
         if col in df and pd.to_numeric(df[col], errors="coerce").notna().any():
             return col
-    return "steps_per_s"
+    return "samples_per_s_per_gpu" if {"global_batch", "gpus"} <= set(df.columns) else "steps_per_s"
 
 
 def with_speed(df: pd.DataFrame) -> pd.DataFrame:
-    """`df` with steps_per_s (1 / step time) added when it is what ranks."""
-    if speed_column(df) == "steps_per_s" and "steps_per_s" not in df:
-        return df.assign(steps_per_s=1.0 / pd.to_numeric(df["step_time_s"], errors="coerce"))
-    return df
+    """`df` with the speed_column added when it is derived (explicit-cost sweeps)."""
+    col = speed_column(df)
+    if col in df:
+        return df
+    step = pd.to_numeric(df["step_time_s"], errors="coerce")
+    if col == "samples_per_s_per_gpu":
+        batch, gpus = (pd.to_numeric(df[c], errors="coerce") for c in ("global_batch", "gpus"))
+        return df.assign(samples_per_s_per_gpu=batch / step / gpus)
+    return df.assign(steps_per_s=1.0 / step)
 
 
 def fitting(df: pd.DataFrame) -> pd.DataFrame:

@@ -14,7 +14,8 @@ from analysis.console import console
 from analysis.plots import plt, save
 from analysis.sweep import fitting, invalid_reasons, pareto_front, ranked, speed_column, with_speed
 
-SPEED_LABELS = {"tokens_per_s_per_gpu": "tokens/s per GPU", "tokens_per_s": "tokens/s", "steps_per_s": "steps/s"}
+SPEED_LABELS = {"tokens_per_s_per_gpu": "tokens/s per GPU", "tokens_per_s": "tokens/s", "steps_per_s": "steps/s",
+                "samples_per_s_per_gpu": "sequences/s per GPU"}
 CLIP_QUANTILE = 0.9
 """The Pareto plot's x axis shows up to this quantile of peak HBM, widened to capacity; points beyond are drawn
 at the right edge as arrows (a configuration needing 610 GiB must not squash the 40-90 GiB that matter)."""
@@ -103,7 +104,8 @@ def _order(v):
 
 def print_ranked(df: pd.DataFrame, keys: list[str], top: int) -> None:
     ok = ranked(fitting(df)).head(top)
-    t = Table(title=f"best {len(ok)} configurations that fit, by tokens/s per GPU (of {len(df)}; "
+    by = SPEED_LABELS[speed_column(with_speed(df))]
+    t = Table(title=f"best {len(ok)} configurations that fit, by {by} (of {len(df)}; "
                     f"{int((df['status'] == 'invalid').sum())} invalid)", header_style="bold")
     metrics = ["GPUs", "global batch", "tokens/s/GPU", "tokens/s", "step (s)", "bubble", "peak HBM (GiB)", "MFU",
                "freeze x"]
