@@ -151,17 +151,19 @@ def capacity_table(
     progress: Callable[[str], None] | None = None,
     target_ratio: float = 2.4,
     depths: dict[str, PolicyDepths] | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> list[dict]:
     """One row per policy: max layers and params that fit, throughput there, the scenario's own depth, and
     the depth `target_ratio` x plain 1F1B's maximum (ChronosPipe's 2.4x claim): fits there, and how fast.
-    `depths` (filled here when given) keeps every evaluation for a later frontier."""
-    base = load_scenario(sc_path)
+    `depths` (filled here when given) keeps every evaluation for a later frontier; `overrides` (--set) apply
+    under every policy."""
+    base = load_scenario(sc_path, overrides)
     if base.model is None:
         raise ScenarioError("capacity: needs a [model] scenario (explicit costs have no depth to vary)")
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ScenarioError(f"--policies: unknown {', '.join(unknown)}; allowed: {', '.join(POLICIES)}")
-    keep = {"memory.hbm_margin_gib": base.memory.hbm_margin_gib}
+    keep = {**(overrides or {}), "memory.hbm_margin_gib": base.memory.hbm_margin_gib}
     depths = {} if depths is None else depths
     rows = []
     for name in policies:

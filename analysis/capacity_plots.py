@@ -12,7 +12,7 @@ from analysis.console import console
 from analysis.plots import plt, save
 
 
-def capacity_plot(df: pd.DataFrame, path: str | Path) -> None:
+def capacity_plot(df: pd.DataFrame, path: str | Path, title: str = "") -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     ax1.barh(df["policy"], df["max_layers"], color="#4C78A8")
     if "scenario_layers" in df:
@@ -26,7 +26,7 @@ def capacity_plot(df: pd.DataFrame, path: str | Path) -> None:
         ax2.set_xlabel("tokens/s x layers (millions): throughput per unit of depth")
         ax2.invert_yaxis()
         ax2.set_yticklabels([])
-    fig.suptitle("capacity per memory policy", fontsize=10)
+    fig.suptitle("capacity per memory policy" + (f" - {title}" if title else ""), fontsize=10)
     save(fig, path)
 
 

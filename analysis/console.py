@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
@@ -11,17 +13,51 @@ from rich.table import Table
 console = Console(width=None if sys.stdout.isatty() else 160)  # logs and pipes get full tables
 
 
+@contextmanager
+def busy(what: str) -> Iterator[None]:
+    """A spinner with the elapsed time for work of unknown length (ranks training, an LP with its baselines);
+    gone when it ends, and never drawn into logs or pipes."""
+    if not console.is_terminal:
+        yield
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=True) as bar:
+        bar.add_task(what, total=None)
+        yield
+
+
 def gib(x: float) -> str:
     return f"{x / 2**30:.2f}"
 
 
+def fit_line(summary: dict[str, Any], peak_key: str = "peak_hbm_bytes") -> str:
+    """One line that answers "does it fit?": the tightest rank's peak HBM against capacity (and margin)."""
+    peaks = summary[peak_key]
+    peak = max(peaks) if isinstance(peaks, list) else peaks
+    limit = summary.get("hbm_limit_bytes")
+    cap = summary.get("hbm_capacity_bytes")
+    rank = summary.get("tightest_rank")
+    if limit is None:
+        return f"fits: no HBM capacity set to check against (costs.hbm_gib) · peak HBM {gib(peak)} GiB"
+    of = f"{gib(limit)} GiB" + (f" (capacity {gib(cap)} - margin)" if cap and cap - limit > 1 else "")
+    if summary.get("fits", True):
+        return f"[bold green]fits[/]: peak HBM {gib(peak)} GiB of {of}, rank {rank} tightest"
+    return (f"[bold red]DOES NOT FIT[/]: rank {rank} needs {gib(peak)} GiB of {of}, "
+            f"{gib(summary['over_capacity_bytes'])} GiB over")
+
+
 def print_simulation(summary: dict[str, Any], title: str) -> None:
+    console.print(fit_line(summary))
+    cap = summary.get("hbm_capacity_bytes")
     t = Table(title=title, show_header=True, header_style="bold")
     t.add_column("rank", justify="right")
     t.add_column("peak activations (GiB)", justify="right")
-    t.add_column("peak HBM (GiB)", justify="right")
+    t.add_column("peak HBM (GiB)" + (f" of {gib(cap)}" if cap else ""), justify="right")
     for r, (a, h) in enumerate(zip(summary["peak_activation_bytes"], summary["peak_hbm_bytes"], strict=True)):
-        t.add_row(str(r), gib(a), gib(h))
+        over = cap is not None and h > (summary.get("hbm_limit_bytes") or cap) + 1e-6
+        t.add_row(str(r), gib(a), f"[red]{gib(h)}[/]" if over else gib(h))
     console.print(t)
     line = (
         f"makespan {summary['makespan_s']:.6g} s · bubble {summary['bubble_ratio']:.1%} · "

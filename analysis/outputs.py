@@ -8,8 +8,20 @@ from typing import Any
 from analysis.chrome_trace import chrome_trace
 from analysis.plots import gantt, memory_plot
 from common.io import atomic_write_json, atomic_write_text
+from sim.config import Scenario
 from sim.engine import SimResult
 from sim.trace import memory_frame, simulation_summary, timeline_frame
+
+
+def scenario_title(sc: Scenario, source: str | None = None, count: bool = True) -> str:
+    """What a figure is about: 'llama3-8b on 4 x H100-SXM-80GB' (model, GPUs, device; `count=False` leaves out
+    the GPUs, for sweeps that vary them), or the scenario's file name for explicit costs."""
+    if sc.model is None:
+        from sim.config import resolve_scenario_path
+
+        return f"{resolve_scenario_path(source).stem} (explicit costs)"
+    gpus = sc.pipeline.stages * sc.parallel.tp * sc.parallel.dp
+    return f"{sc.model.name} on {f'{gpus} x ' if count else ''}{sc.device.preset}"
 
 
 def write_simulation(result: SimResult, folder: Path, title: str, extra: dict[str, Any] | None = None) -> dict:

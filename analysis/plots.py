@@ -40,7 +40,8 @@ def gantt(timeline: pd.DataFrame, path: str | Path, title: str = "", color_by: s
     ax.set_xlim(0, span * 1.005)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for k, c in KIND_COLORS.items() if k in set(timeline["kind"])]
     names = [k for k in KIND_COLORS if k in set(timeline["kind"])]
-    ax.legend(handles, names, loc="upper right", ncols=len(names), fontsize=8)
+    ax.legend(handles, names, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, title="action",
+              title_fontsize=8)  # outside the axes: a legend inside would hide bars
     ax.set_title(title, fontsize=10)
     save(fig, path)
 

@@ -1,8 +1,9 @@
 """Render any pipeplan output folder as one readable page: report.html (self-contained) and report.md.
 
-Whatever the folder holds is shown in a fixed order: JSON summaries as key/value tables, CSV tables (long
-ones truncated, with their row count), then every figure. Nothing is computed here; the page shows the
-files as they are, so it works for simulate, plan, capacity, sweep, run and lcp bench folders alike.
+The page leads with the answer to the folder's question (analysis/report_answers.py: for a sweep, the best
+configuration that fits and what limits it); below, every file in a fixed order: JSON summaries as
+key/value tables, CSV tables (long ones truncated, with their row count), then the remaining figures. Nothing
+is simulated here, so it works for simulate, plan, capacity, sweep, run and lcp bench folders alike.
 """
 
 from __future__ import annotations
@@ -99,37 +100,86 @@ def sections(folder: Path) -> list[tuple[str, str, Any]]:
     return out
 
 
+STYLE = (
+    "body{font-family:system-ui,-apple-system,sans-serif;max-width:1180px;margin:2em auto;padding:0 1em;color:#222;"
+    "line-height:1.45}h1{font-size:1.5em;margin-bottom:.2em}h2{margin-top:1.6em;font-size:1.15em}"
+    ".lead{font-size:1.2em;background:#f3f7fb;border-left:4px solid #4C78A8;padding:.7em 1em;margin:1em 0}"
+    "table.t{border-collapse:collapse;font-size:13px;margin:.5em 0}"
+    "table.t td,table.t th{border-bottom:1px solid #ddd;padding:3px 8px;text-align:right}"
+    "table.t th{background:#fafafa}table.t td:first-child,table.t th:first-child{text-align:left}"
+    "img{max-width:100%;border:1px solid #eee;margin:.5em 0}"
+    "details{margin-top:2em}summary{cursor:pointer;font-weight:bold;font-size:1.1em}.muted{color:#666}"
+)
+NA = "—"
+
+
 def render(folder: Path) -> tuple[str, str]:
-    """(html, markdown) for the folder."""
+    """(html, markdown) for the folder: the answer first (analysis/report_answers.py), then every file."""
+    from analysis.report_answers import answer
+
     if not folder.is_dir():
         raise PipeplanError(f"report: {folder} is not a folder; give a pipeplan output folder")
     parts = sections(folder)
     if not parts:
         raise PipeplanError(f"report: {folder} holds no pipeplan outputs (json, csv or png files)")
-    title = f"pipeplan report: {folder.name} ({describe(folder)})"
+    kind, blocks = answer(folder)
+    title = f"pipeplan report: {folder.name} ({kind})"
     md = [f"# {title}", ""]
     body = [f"<h1>{html.escape(title)}</h1>"]
-    for name, kind, payload in parts:
-        md += [f"## {name}", ""]
-        body.append(f"<h2>{html.escape(name)}</h2>")
-        if kind == "table":
+    shown = {b.payload.name for b in blocks if b.kind == "image"}
+    for b in blocks:
+        _block(b.kind, b.payload, md, body)
+    md += ["## Files", ""]
+    body.append(f"<details{' open' if not blocks else ''}><summary>Files in {html.escape(folder.name)}/</summary>")
+    for name, kind_, payload in parts:
+        if kind_ == "image" and name in shown:
+            continue
+        _block("h3", name, md, body)
+        if kind_ == "table":
             df, note = payload
             if note:
-                md += [f"*{note}*", ""]
-                body.append(f"<p><em>{html.escape(note)}</em></p>")
-            md += [df.to_markdown(index=False), ""]
-            body.append(df.to_html(index=False, border=0, classes="t", float_format=lambda x: f"{x:.6g}"))
-        elif kind == "image":
-            data = base64.b64encode(payload.read_bytes()).decode()
-            md += [f"![{name}]({name})", ""]
-            body.append(f'<img alt="{html.escape(name)}" src="data:image/png;base64,{data}">')
+                _block("note", note, md, body)
+            _block("table", df, md, body)
         else:
-            md += [payload, ""]
-            body.append(f"<p>{html.escape(payload)}</p>")
-    style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}"
-             "table.t{border-collapse:collapse;font-size:13px;margin:.5em 0}"
-             "table.t td,table.t th{border-bottom:1px solid #ddd;padding:3px 8px;text-align:right}"
-             "img{max-width:100%;border:1px solid #eee}h2{margin-top:1.6em}")
+            _block(kind_, payload, md, body)
+    body.append("</details>")
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{style}</style></head><body>{''.join(body)}</body></html>\n")
+            f"<style>{STYLE}</style></head><body>{''.join(body)}</body></html>\n")
     return page, "\n".join(md) + "\n"
+
+
+def _inline(text: str) -> str:
+    """HTML for a sentence that may hold **bold** (the only Markdown the answers use)."""
+    parts = html.escape(text).split("**")
+    return "".join(f"<strong>{p}</strong>" if i % 2 else p for i, p in enumerate(parts))
+
+
+def _block(kind: str, payload: Any, md: list[str], body: list[str]) -> None:
+    """Append one block to both the Markdown and the HTML page."""
+    if kind == "lead":
+        md += [f"**{payload}**", ""]
+        body.append(f"<p class='lead'>{_inline(payload)}</p>")
+    elif kind == "p":
+        md += [payload, ""]
+        body.append(f"<p>{_inline(payload)}</p>")
+    elif kind == "note":
+        md += [f"*{payload}*", ""]
+        body.append(f"<p class='muted'><em>{html.escape(payload)}</em></p>")
+    elif kind == "list":
+        md += [f"- {x}" for x in payload] + [""]
+        body.append("<ul>" + "".join(f"<li>{_inline(x)}</li>" for x in payload) + "</ul>")
+    elif kind in ("h2", "h3"):
+        md += [f"{'#' * int(kind[1])} {payload}", ""]
+        body.append(f"<{kind}>{html.escape(payload)}</{kind}>")
+    elif kind == "table":
+        df = payload
+        md += [df.astype(object).where(pd.notna(df), NA).to_markdown(index=False), ""]
+        body.append(df.to_html(index=False, border=0, classes="t", na_rep=NA,
+                               float_format=lambda x: f"{x:.6g}"))
+    elif kind == "image":
+        data = base64.b64encode(payload.read_bytes()).decode()
+        md += [f"![{payload.name}]({payload.name})", ""]
+        body.append(f'<img alt="{html.escape(payload.name)}" src="data:image/png;base64,{data}">')
+    else:
+        md += [str(payload), ""]
+        body.append(f"<p>{html.escape(str(payload))}</p>")

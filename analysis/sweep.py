@@ -15,14 +15,18 @@ import tomllib
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pandas as pd
 
 from sim.errors import PipeplanError
 
-METRICS = ["status", "reason", "tokens_per_s", "step_time_s", "bubble_ratio", "max_peak_hbm_bytes", "fits",
-           "mfu", "freeze_speedup", "sim_wall_s"]
+METRICS = ["status", "reason", "gpus", "global_batch", "tokens_per_s", "tokens_per_s_per_gpu", "step_time_s",
+           "bubble_ratio", "max_peak_hbm_bytes", "fits", "tightest_rank", "over_capacity_bytes", "mfu",
+           "freeze_speedup", "sim_wall_s"]
+"""sweep.csv's columns after config_id and the grid keys. gpus = stages x tp x dp; global_batch = sequences per
+step (microbatches x micro_batch_size x dp); tokens_per_s_per_gpu makes configurations of different sizes
+comparable."""
 
 
 def parse_grid(items: list[str]) -> dict[str, list[Any]]:
@@ -55,27 +59,38 @@ def configurations(grid: dict[str, list[Any]]) -> Iterator[dict[str, Any]]:
         yield dict(zip(keys, values, strict=True))
 
 
-def config_id(overrides: dict[str, Any]) -> str:
-    return hashlib.sha1(json.dumps(overrides, sort_keys=True).encode()).hexdigest()[:16]
+def config_id(overrides: dict[str, Any], base: dict[str, Any] | None = None) -> str:
+    """Hash of one configuration: the grid's values plus the sweep's --set overrides (none: as before)."""
+    return hashlib.sha1(json.dumps({**(base or {}), **overrides}, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def evaluate(scenario: str | None, overrides: dict[str, Any], plan_freeze: bool) -> dict[str, Any]:
+def evaluate(
+    scenario: str | None, overrides: dict[str, Any], plan_freeze: bool, base: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One configuration's row; bad combinations come back as status=invalid with the reason."""
     from sim.config import load_scenario
+    from sim.trace import hbm_fit
     from solver.step import simulate_with_memory_policy
 
-    row: dict[str, Any] = {"config_id": config_id(overrides), **overrides}
+    row: dict[str, Any] = {"config_id": config_id(overrides, base), **overrides}
     try:
-        sc = load_scenario(scenario, overrides)
+        sc = load_scenario(scenario, {**(base or {}), **overrides})
         res, _extra = simulate_with_memory_policy(sc)
+        fit = hbm_fit(res)
+        gpus = sc.pipeline.stages * sc.parallel.tp * sc.parallel.dp
         row |= {
             "status": "ok",
             "reason": "",
+            "gpus": gpus,
+            "global_batch": sc.pipeline.microbatches * sc.training.micro_batch_size * sc.parallel.dp,
             "tokens_per_s": res.tokens_per_s,
+            "tokens_per_s_per_gpu": None if res.tokens_per_s is None else res.tokens_per_s / gpus,
             "step_time_s": res.makespan_s,
             "bubble_ratio": res.bubble_ratio,
             "max_peak_hbm_bytes": float(res.peak_hbm_bytes.max()),
-            "fits": not res.oom_over_limit,
+            "fits": fit.fits,
+            "tightest_rank": fit.rank,
+            "over_capacity_bytes": fit.over_bytes,
             "mfu": res.mfu,
             "sim_wall_s": res.sim_wall_s,
         }
@@ -146,43 +161,142 @@ def run_sweep(
     jobs: int,
     plan_freeze: bool,
     progress: Callable[[int, int], None] | None = None,
+    base: dict[str, Any] | None = None,
+    scheduler: str | None = None,
 ) -> pd.DataFrame:
-    """Evaluate every configuration not yet in out/sweep.csv; returns all rows."""
+    """Evaluate every configuration not yet in out/sweep.csv; returns all rows.
+
+    `base` holds --set overrides applied under every configuration. The work runs in `jobs` local processes,
+    or, with `scheduler` (a Dask distributed address such as tcp://host:8786), on that cluster's workers;
+    either way rows are appended here, as they finish, so both resume the same way.
+    """
     from sim.config import load_scenario
 
-    load_scenario(scenario)  # a bad base scenario is one error, not a thousand invalid rows
+    load_scenario(scenario, base)  # a bad base scenario is one error, not a thousand invalid rows
     columns = ["config_id", *grid, *METRICS]
     path = out / "sweep.csv"
     out.mkdir(parents=True, exist_ok=True)
     done = load_rows(path, columns)
     _drop_torn_tail(path)
     seen = set(done["config_id"])
-    todo = [c for c in configurations(grid) if config_id(c) not in seen]
+    todo = [c for c in configurations(grid) if config_id(c, base) not in seen]
     total = len(seen) + len(todo)
     if progress:
         progress(len(seen), total)
     if todo:
-        with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
-            pending = {pool.submit(evaluate, scenario, c, plan_freeze) for c in todo}
-            finished = len(seen)
-            while pending:
-                ready, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in ready:
-                    append_row(path, fut.result(), columns)
-                    finished += 1
-                if progress:
-                    progress(finished, total)
+        run = _run_on_cluster if scheduler else _run_locally
+        finished = len(seen)
+        for row in run(scenario, todo, plan_freeze, base, jobs=jobs, scheduler=scheduler):
+            append_row(path, row, columns)
+            finished += 1
+            if progress:
+                progress(finished, total)
     return load_rows(path, columns)
 
 
+def _run_locally(
+    scenario: str | None, todo: list[dict[str, Any]], plan_freeze: bool, base: dict[str, Any] | None, *,
+    jobs: int, scheduler: str | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Rows as they finish, from `jobs` worker processes on this machine."""
+    with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+        pending = {pool.submit(evaluate, scenario, c, plan_freeze, base) for c in todo}
+        while pending:
+            ready, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in ready:
+                yield fut.result()
+
+
+def _run_on_cluster(
+    scenario: str | None, todo: list[dict[str, Any]], plan_freeze: bool, base: dict[str, Any] | None, *,
+    jobs: int = 0, scheduler: str | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Rows as they finish, from the workers of the Dask scheduler at `scheduler`. The workers need pipeplan
+    installed (they import analysis.sweep); the scenario path must be readable where they run."""
+    try:
+        from distributed import Client, as_completed
+    except ImportError:
+        raise PipeplanError("--scheduler: needs Dask distributed; install pipeplan[cluster]") from None
+    try:
+        client = Client(scheduler, timeout="10s", set_as_default=False)
+    except (OSError, TimeoutError, ValueError) as exc:
+        raise PipeplanError(f"--scheduler {scheduler}: cannot reach a Dask scheduler there ({exc})") from None
+    with client:
+        if scenario is not None:  # workers may run elsewhere: give them an absolute path, not a name
+            from sim.config import resolve_scenario_path
+
+            scenario = str(resolve_scenario_path(scenario).resolve())
+        futures = [client.submit(evaluate, scenario, c, plan_freeze, base, pure=False) for c in todo]
+        try:
+            for fut in as_completed(futures, loop=client.loop):
+                yield fut.result()
+        finally:
+            client.cancel(futures)
+
+
+def speed_column(df: pd.DataFrame) -> str:
+    """What sweeps rank by: tokens/s per GPU, so configurations of different sizes compare; for explicit-cost
+    scenarios (no tokens), sequences/s per GPU (global_batch / step time / gpus); for sweeps written before
+    those columns, tokens/s, else steps/s."""
+    for col in ("tokens_per_s_per_gpu", "tokens_per_s"):
+        if col in df and pd.to_numeric(df[col], errors="coerce").notna().any():
+            return col
+    return "samples_per_s_per_gpu" if {"global_batch", "gpus"} <= set(df.columns) else "steps_per_s"
+
+
+def with_speed(df: pd.DataFrame) -> pd.DataFrame:
+    """`df` with the speed_column added when it is derived (explicit-cost sweeps)."""
+    col = speed_column(df)
+    if col in df:
+        return df
+    step = pd.to_numeric(df["step_time_s"], errors="coerce")
+    if col == "samples_per_s_per_gpu":
+        batch, gpus = (pd.to_numeric(df[c], errors="coerce") for c in ("global_batch", "gpus"))
+        return df.assign(samples_per_s_per_gpu=batch / step / gpus)
+    return df.assign(steps_per_s=1.0 / step)
+
+
+def fitting(df: pd.DataFrame) -> pd.DataFrame:
+    """Simulated configurations whose every rank fits HBM (capacity - margin)."""
+    return df[(df["status"] == "ok") & (df["fits"].astype(str) == "True")]
+
+
+def ranked(df: pd.DataFrame) -> pd.DataFrame:
+    """Best first by speed_column; ties by lower peak HBM."""
+    df = with_speed(df)
+    return df.sort_values([speed_column(df), "max_peak_hbm_bytes"], ascending=[False, True], kind="stable")
+
+
+class InvalidReason(NamedTuple):
+    reason: str
+    count: int
+    example: str
+    """One configuration with that reason, as KEY=VALUE pairs."""
+
+
+def invalid_reasons(df: pd.DataFrame, keys: list[str] | None = None) -> list[InvalidReason]:
+    """Invalid rows grouped by their reason, most frequent first."""
+    bad = df[df["status"] == "invalid"]
+    if keys is None:
+        keys = [c for c in df.columns if "." in c]
+    out = []
+    for reason, g in bad.groupby("reason", sort=False):
+        first = g.iloc[0]
+        example = " ".join(f"{k.split('.')[-1]}={first[k]}" for k in keys if k in g)
+        out.append(InvalidReason(str(reason), len(g), example))
+    return sorted(out, key=lambda r: -r.count)
+
+
 def pareto_front(df: pd.DataFrame) -> pd.DataFrame:
-    """Fitting configurations not beaten on both tokens/s (higher) and peak HBM (lower)."""
-    ok = df[(df["status"] == "ok") & (df["fits"].astype(str) == "True")].sort_values(
-        ["max_peak_hbm_bytes", "tokens_per_s"], ascending=[True, False])
+    """Fitting configurations not beaten on both speed (higher; speed_column) and peak HBM (lower)."""
+    df = with_speed(df)
+    col = speed_column(df)
+    ok = fitting(df)
+    ok = ok[ok[col].notna()].sort_values(["max_peak_hbm_bytes", col], ascending=[True, False])
     best = -1.0
     keep = []
     for idx, r in ok.iterrows():
-        if r["tokens_per_s"] > best:
+        if r[col] > best:
             keep.append(idx)
-            best = r["tokens_per_s"]
+            best = r[col]
     return ok.loc[keep]

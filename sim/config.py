@@ -34,7 +34,17 @@ class PipelineConfig(_Section):
     schedule: str = "1f1b"
     """A name registered in sim.schedules (`pipeplan simulate --help` lists them)."""
     virtual_stages: PosInt = 1
-    """Model chunks per rank v; interleaved-1f1b and zbv use 2 or more."""
+    """Model chunks per rank v; when omitted, what the schedule takes (zbv, v-half, interleaved-1f1b and
+    chronos: 2; the others: 1)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_virtual_stages(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "virtual_stages" not in data and isinstance(data.get("schedule"), str):
+            from sim.schedules import default_virtual_stages
+
+            data = {**data, "virtual_stages": default_virtual_stages(data["schedule"])}
+        return data
 
     @model_validator(mode="after")
     def _known_schedule(self) -> PipelineConfig:
@@ -286,9 +296,27 @@ def default_scenario_path() -> Path:
     return scenario_path("llama3-8b-pp4-h100")
 
 
+def resolve_scenario_path(path: str | Path | None) -> Path:
+    """A file path as given; a bare name that is no file but a shipped scenario's stem, that scenario."""
+    if path is None:
+        return default_scenario_path()
+    path = Path(path)
+    if not path.exists() and path.suffix == "" and len(path.parts) == 1:
+        from scenarios import scenario_names, scenario_path
+
+        if path.name in scenario_names():
+            return scenario_path(path.name)
+        raise ScenarioError(
+            f"scenario {path}: no such file and no shipped scenario of that name; shipped: "
+            f"{', '.join(scenario_names())} (pipeplan scenarios lists them)"
+        )
+    return path
+
+
 def load_scenario(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Scenario:
-    """Read and validate a scenario TOML (None: the built-in default); `overrides` maps dotted keys to values."""
-    path = Path(path) if path is not None else default_scenario_path()
+    """Read and validate a scenario TOML (None: the built-in default; a shipped scenario's name, e.g.
+    "tiny-cpu", also works); `overrides` maps dotted keys to values."""
+    path = resolve_scenario_path(path)
     try:
         with path.open("rb") as f:
             raw = tomllib.load(f)
@@ -302,7 +330,23 @@ def load_scenario(path: str | Path | None = None, overrides: dict[str, Any] | No
         raise ScenarioError(f"scenario {path}: not valid TOML (not UTF-8 text)") from None
     for key, value in (overrides or {}).items():
         set_dotted(raw, key, value)
+    if "pipeline.schedule" in (overrides or {}) and "pipeline.virtual_stages" not in (overrides or {}):
+        _fit_virtual_stages(raw)
     return parse_scenario(raw, source=str(path))
+
+
+def _fit_virtual_stages(raw: dict[str, Any]) -> None:
+    """A schedule given as an override keeps the file's virtual_stages if it takes them, else gets its
+    default: `--schedule zbv` on a 1-chunk scenario means zbv's 2 chunks, not an error."""
+    from sim.schedules import virtual_stages_for
+
+    p = raw.get("pipeline")
+    if not isinstance(p, dict) or not isinstance(p.get("schedule"), str):
+        return
+    stages, mbs, v = p.get("stages"), p.get("microbatches"), p.get("virtual_stages")
+    if not (isinstance(stages, int) and isinstance(mbs, int) and stages > 0 and mbs > 0):
+        return
+    p["virtual_stages"] = virtual_stages_for(p["schedule"], stages, mbs, v if isinstance(v, int) and v > 0 else None)
 
 
 def parse_scenario(raw: dict[str, Any], source: str = "scenario") -> Scenario:

@@ -7,8 +7,9 @@ memory.csv:   rank,time_s,hbm_bytes,...                 - HBM in use after every
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import pandas as pd
 
 from sim.engine import SimResult
@@ -36,6 +37,38 @@ def memory_frame(result: SimResult) -> pd.DataFrame:
     return pd.DataFrame(result.memory, columns=MEMORY_COLUMNS).sort_values(["rank", "time_s"], kind="stable")
 
 
+class HbmFit(NamedTuple):
+    """Does the step fit HBM? The rank with the least headroom decides: its peak against capacity - margin."""
+
+    fits: bool
+    rank: int
+    """The tightest rank: largest peak minus limit (the most over, or the least headroom)."""
+    peak_bytes: float
+    limit_bytes: float | None
+    """Capacity minus memory.hbm_margin_gib; None when the scenario sets no capacity."""
+    over_bytes: float
+    """How far the tightest rank's peak exceeds the limit (0 when it fits)."""
+
+
+def hbm_fit(result: SimResult) -> HbmFit:
+    """The one place that decides whether a simulated step fits (what summary.json, plan.json and sweep.csv
+    report as `fits`)."""
+    peaks = np.asarray(result.peak_hbm_bytes, dtype=float)
+    limit = result.hbm_limit_bytes
+    rank = int(np.argmax(peaks - (limit if np.isfinite(limit) else 0.0)))
+    if not np.isfinite(limit):
+        return HbmFit(True, rank, float(peaks[rank]), None, 0.0)
+    over = max(0.0, float(peaks[rank]) - limit)
+    return HbmFit(not result.oom_over_limit, rank, float(peaks[rank]), float(limit), over)
+
+
+def fit_fields(result: SimResult) -> dict[str, Any]:
+    """`fits` and what explains it, as flat keys for summary.json and plan.json."""
+    fit = hbm_fit(result)
+    return {"fits": fit.fits, "tightest_rank": fit.rank, "hbm_limit_bytes": fit.limit_bytes,
+            "over_capacity_bytes": fit.over_bytes}
+
+
 def simulation_summary(result: SimResult) -> dict[str, Any]:
     sched, costs = result.schedule, result.costs
     out: dict[str, Any] = {
@@ -51,6 +84,7 @@ def simulation_summary(result: SimResult) -> dict[str, Any]:
         "static_bytes": [float(x) for x in result.static_bytes],
         "hbm_capacity_bytes": costs.hbm_bytes if costs.hbm_bytes != float("inf") else None,
         "oom": result.oom,
+        **fit_fields(result),
         "sim_wall_s": result.sim_wall_s,
     }
     if result.stall_s is not None and result.stall_s.any():

@@ -78,7 +78,7 @@ def _bad_csv(tmp_path, text: str) -> str:
     [
         (["simulate", "missing.toml"], "file not found"),
         (["simulate", "--schedule", "nope"], "pipeline.schedule: unknown schedule 'nope'"),
-        (["simulate", "--schedule", "zbv"], "virtual_stages"),
+        (["simulate", "--schedule", "zbv", "--virtual-stages", "1"], "virtual_stages"),  # given, and wrong
         (["simulate", "--schedule", "1f1b", "--schedule-csv", "x.csv"], "not allowed with argument"),
         (["simulate", "--bogus"], "unrecognized arguments"),
         (["nope"], "invalid choice"),

@@ -41,7 +41,6 @@ def test_plan_on_the_default_scenario_writes_every_output(tmp_path, capsys):
         "memory.csv",
         "schedule.csv",
         "trace.json",
-        "gantt.png",
         "memory.png",
     }
     assert expected <= {p.name for p in out.iterdir()}

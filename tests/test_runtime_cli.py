@@ -113,7 +113,7 @@ def test_a_failing_rank_stops_every_rank_with_its_error(scenario, tmp_path):
 @pytest.mark.parametrize("argv,expected", [
     (["run", "scenarios/explicit-unit.toml"], "has explicit [costs] but no [model]"),
     (["run", "--nproc-per-node", "3"], "one process runs one pipeline rank"),
-    (["run", "--schedule", "zbv"], "virtual_stages"),
+    (["run", "--schedule", "zbv", "--virtual-stages", "1"], "virtual_stages"),
     (["run", "--data", "/no/such/file.txt"], "file not found"),
     (["run", "--costs", "scenarios/explicit-unit.toml", "--microbatches", "8"], None),
     (["run", "--freeze", "uniform", "--cap", "1.5"], "--cap"),

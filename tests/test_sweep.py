@@ -11,7 +11,8 @@ from scenarios import scenario_path
 from sim.errors import PipeplanError
 
 EIGHT_B = str(scenario_path("llama3-8b-pp4-h100"))
-GRID = {"pipeline.stages": [2, 4], "pipeline.schedule": ["1f1b", "interleaved-1f1b"], "pipeline.microbatches": [8]}
+GRID = {"pipeline.stages": [2, 4], "pipeline.schedule": ["1f1b", "interleaved-1f1b"], "pipeline.microbatches": [8],
+        "pipeline.virtual_stages": [1]}  # interleaved-1f1b at v = 1, given explicitly, is invalid
 
 
 def test_parse_grid_types_values():

@@ -1,4 +1,8 @@
-"""`pipeplan bench NAME`: speed benchmarks that write a tidy CSV and a figure; figures go into docs/benchmarks.md."""
+"""`pipeplan bench NAME`: speed benchmarks that write a tidy CSV and a figure; figures go into docs/benchmarks.md.
+
+    pipeplan bench sim --out out/bench
+    pipeplan bench sweep --jobs 2
+"""
 
 from __future__ import annotations
 

@@ -1,20 +1,22 @@
 """`pipeplan capacity`: per memory policy, the deepest model of the scenario's width that fits, and its speed.
 
-    pipeplan capacity scenarios/llama2-70b-48l-pp8-tp8-a100.toml
-    pipeplan capacity scenarios/llama2-70b-48l-pp8-tp8-a100.toml --frontier --min-throughput 0.95
+    pipeplan capacity llama2-70b-48l-pp8-tp8-a100               # the ChronosPipe setting, every policy
+    pipeplan capacity llama2-70b-48l-pp8-tp8-a100 --frontier --min-throughput 0.95
+    pipeplan capacity --policies 1f1b,zbv --set training.micro_batch_size=2 --out out/cap-mbs2
 """
 
 from __future__ import annotations
 
 import argparse
 
-from analysis.commands.simulate import add_scenario_argument
+from analysis.commands.simulate import add_scenario_argument, add_set_argument, scenario_overrides
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from analysis.capacity import POLICIES
 
     add_scenario_argument(parser)
+    add_set_argument(parser)
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="comma-separated policies (default: all): " + ", ".join(POLICIES))
     parser.add_argument("--target-ratio", type=float, default=2.4,
@@ -36,7 +38,9 @@ def run(args: argparse.Namespace) -> int:
 
     from analysis.capacity import FRONTIER_COLUMNS, PolicyDepths, capacity_table, deepest_at, frontier_table
     from analysis.capacity_plots import capacity_plot, frontier_plot, print_capacity, print_frontier
+    from analysis.outputs import scenario_title
     from common.io import atomic_write_text, staged_output
+    from sim.config import load_scenario
     from sim.errors import ScenarioError
 
     if not 0 < args.min_throughput <= 10 or args.min_throughput != args.min_throughput:
@@ -54,13 +58,14 @@ def run(args: argparse.Namespace) -> int:
             bar.update(task, advance=1, description=f"capacity: {name}")
 
         rows = capacity_table(args.scenario, policies, progress=step, target_ratio=args.target_ratio,
-                              depths=depths)
+                              depths=depths, overrides=scenario_overrides(args))
         frontier = frontier_table(rows, depths, args.points, progress=step) if args.frontier else None
     df = pd.DataFrame(rows)
     written = ["capacity.csv", "capacity.png"]
     with staged_output(args.out) as stage:
         atomic_write_text(stage / "capacity.csv", df.to_csv(index=False))
-        capacity_plot(df, stage / "capacity.png")
+        capacity_plot(df, stage / "capacity.png",
+                      scenario_title(load_scenario(args.scenario, scenario_overrides(args)), args.scenario))
         if frontier is not None:
             ref = df.set_index("policy").loc["1f1b", "layer_tokens_per_s"]
             answers = {p: deepest_at(frontier, depths[p], args.min_throughput, ref) for p in policies

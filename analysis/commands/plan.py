@@ -11,7 +11,7 @@ Writes plan.json, freeze.csv, baselines.csv, freeze_heatmap.png, gantt_before.pn
 from __future__ import annotations
 
 import argparse
-import shutil
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +19,20 @@ import numpy as np
 import pandas as pd
 from rich.table import Table
 
-from analysis.commands.simulate import add_scenario_argument, add_set_argument, scenario_overrides
-from analysis.console import console
+from analysis.commands.simulate import (
+    VIRTUAL_STAGES_HELP,
+    add_scenario_argument,
+    add_set_argument,
+    scenario_overrides,
+)
+from analysis.console import busy, console, fit_line, gib
 from analysis.freeze_plots import freeze_heatmap, sweep_plot
-from analysis.outputs import write_simulation
+from analysis.outputs import scenario_title, write_simulation
 from analysis.plots import gantt
 from common.io import atomic_write_json, atomic_write_text, staged_output
 from sim.config import load_scenario
 from sim.schedules import SCHEDULES, schedule_names, sweep_schedules
-from sim.trace import timeline_frame
+from sim.trace import fit_fields, hbm_fit, timeline_frame
 from solver.freeze_lp import MAKESPAN_ABS_TOL, MAKESPAN_REL_TOL
 from solver.plan import FreezePlan, plan_scenario, sweep_caps
 
@@ -50,9 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     order.add_argument(
         "--schedule-csv", help="plan this action order (torch action-string CSV, one row per rank)"
     )
-    parser.add_argument(
-        "--virtual-stages", type=int, help="override pipeline.virtual_stages (chunks per rank)"
-    )
+    parser.add_argument("--virtual-stages", type=int, help=VIRTUAL_STAGES_HELP)
     add_set_argument(parser)
     parser.add_argument("--out", default=None, help="output folder (default: out/plan, or out/plan-sweep)")
 
@@ -64,10 +67,12 @@ def run(args: argparse.Namespace) -> int:
     if args.cap is not None:
         overrides["freeze.cap"] = args.cap
     scenario = load_scenario(args.scenario, overrides)
-    plan = plan_scenario(scenario, args.schedule_csv)
+    with busy(f"planning {scenario.pipeline.schedule}: LP, simulation, baselines"):
+        plan = plan_scenario(scenario, args.schedule_csv)
     out = args.out or "out/plan"
     with staged_output(out) as stage:
-        summary = write_plan(plan, stage, scenario_name=str(args.scenario or "llama3-8b-pp4-h100 (default)"))
+        summary = write_plan(plan, stage, scenario_name=str(args.scenario or "llama3-8b-pp4-h100 (default)"),
+                             about=scenario_title(scenario, args.scenario))
     print_plan(summary)
     print(
         f"wrote {out}/: plan.json freeze.csv baselines.csv freeze_heatmap.png gantt_before.png "
@@ -77,11 +82,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_plan(plan: FreezePlan, folder: Path, scenario_name: str = "") -> dict[str, Any]:
-    """Every output of one plan; returns plan.json's content."""
+def write_plan(plan: FreezePlan, folder: Path, scenario_name: str = "", about: str = "") -> dict[str, Any]:
+    """Every output of one plan; returns plan.json's content. `about` names model and device in the titles."""
     sched, sol = plan.schedule, plan.solution
     size = f"p={sched.num_ranks} m={sched.num_microbatches} v={sched.virtual_stages}"
-    title = f"{sched.name}: {size}, cap {plan.cap:g}"
+    title = f"{about + ' - ' if about else ''}{sched.name}: {size}, cap {plan.cap:g}"
     actions = plan.actions_table()
     summary: dict[str, Any] = {
         "scenario": scenario_name,
@@ -107,6 +112,9 @@ def write_plan(plan: FreezePlan, folder: Path, scenario_name: str = "") -> dict[
         "peak_hbm_bytes_before": float(plan.baseline.peak_hbm_bytes.max()),
         "peak_hbm_bytes_after": float(plan.planned.peak_hbm_bytes.max()),
         "fits_hbm_after": not plan.planned.oom_over_limit,
+        "fits_before": hbm_fit(plan.baseline).fits,
+        **fit_fields(plan.planned),
+        "hbm_capacity_bytes": plan.costs.hbm_bytes if np.isfinite(plan.costs.hbm_bytes) else None,
         "lp": {
             "build_s": sol.build_s,
             "solve_s": sol.solve_s,
@@ -175,7 +183,7 @@ def write_plan(plan: FreezePlan, folder: Path, scenario_name: str = "") -> dict[
         "speedup": plan.speedup,
     }
     write_simulation(plan.planned, folder, f"planned - {title}", extra)
-    shutil.copyfile(folder / "gantt.png", folder / "gantt_after.png")
+    os.replace(folder / "gantt.png", folder / "gantt_after.png")  # the planned step's Gantt, under one name
     return summary
 
 
@@ -192,17 +200,26 @@ def print_plan(s: dict[str, Any]) -> None:
     title = (
         f"{s['schedule']}: p={s['stages']} m={s['microbatches']} v={s['virtual_stages']}, cap {s['cap']:g}"
     )
+    console.print(fit_line(s, peak_key="peak_hbm_bytes_after"))
+    cap = s.get("hbm_capacity_bytes")
     t = Table(title=f"freeze plan - {title}", header_style="bold")
-    for col in ("policy", "mean freeze ratio", "makespan (s)", "speedup", "gain per unit freeze"):
+    mem_col = "peak HBM (GiB)" + (f" of {gib(cap)}" if cap else "")
+    for col in ("policy", "mean freeze ratio", "makespan (s)", "speedup", "gain per unit freeze", mem_col):
         t.add_column(col, justify="right")
     gain = s["gain_per_freeze"]
-    t.add_row("none", "0", f"{s['baseline_makespan_s']:.6g}", "1.000", "-")
+
+    def mem(x: float, fits: bool) -> str:
+        return gib(x) if fits else f"[red]{gib(x)}[/]"
+
+    t.add_row("none", "0", f"{s['baseline_makespan_s']:.6g}", "1.000", "-",
+              mem(s["peak_hbm_bytes_before"], s["fits_before"]))
     t.add_row(
         "[bold]LP plan[/]",
         f"{s['mean_freeze_ratio']:.3f}",
         f"{s['simulated_makespan_s']:.6g}",
         f"{s['speedup']:.3f}",
         "-" if gain is None else f"{gain:.3f}",
+        mem(s["peak_hbm_bytes_after"], s["fits"]),
     )
     rows = [
         *s["baselines"],
@@ -216,6 +233,7 @@ def print_plan(s: dict[str, Any]) -> None:
             f"{b['makespan_s']:.6g}",
             f"{b['speedup']:.3f}",
             "-" if g is None else f"{g:.3f}",
+            "",
         )
     console.print(t)
     match = s["uniform_ratio_to_match"]
@@ -232,11 +250,19 @@ def print_plan(s: dict[str, Any]) -> None:
     if s["lp"]["copy_engine_nodes"]:
         console.print(
             f"copy engines in the LP: {s['lp']['copy_engine_nodes']} copies, order settled after "
-            f"{s['lp']['copy_order_rounds']} solve(s) · peak HBM {s['peak_hbm_bytes_before'] / 2**30:.2f} -> "
-            f"{s['peak_hbm_bytes_after'] / 2**30:.2f} GiB"
+            f"{s['lp']['copy_order_rounds']} solve(s)"
         )
-    if not s["fits_hbm_after"]:
-        console.print("[yellow]warning:[/] the planned step's peak HBM exceeds capacity - margin on some rank")
+    console.print(
+        f"peak HBM {gib(s['peak_hbm_bytes_before'])} GiB before -> {gib(s['peak_hbm_bytes_after'])} GiB after"
+        + (f", capacity {gib(cap)} GiB" if cap else "")
+    )
+    if not s["fits"]:
+        console.print(
+            f"[bold red]The plan does not fit[/]: rank {s['tightest_rank']} needs "
+            f"{gib(s['over_capacity_bytes'])} GiB more than it has; its speedup cannot be had on this device. "
+            "Try --set memory.recompute=full, --set memory.plan=true, fewer microbatches in flight (another "
+            "--schedule) or a smaller training.micro_batch_size."
+        )
 
 
 def _run_sweep(args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 write them as an explicit-costs scenario that `pipeplan simulate` and `pipeplan run --costs` read.
 
     pipeplan profile                                         # tiny-cpu as it runs (4 ranks, 1f1b)
-    pipeplan profile --schedule zbv --virtual-stages 2 --out out/profile-v2
+    pipeplan profile --schedule zbv --out out/profile-v2
     pipeplan profile --validate --steps 20       # + how well it predicts plain steps of the same job
     pipeplan simulate out/profile/scenario.toml --schedule gpipe   # predict from the measured costs
 """

@@ -1,4 +1,8 @@
-"""`pipeplan report DIR`: one readable page (report.html, self-contained, and report.md) from an output folder."""
+"""`pipeplan report DIR`: one readable page (report.html, self-contained, and report.md) from an output folder.
+
+    pipeplan report out/sweep       # the best configuration that fits, what limits it, the ranking
+    pipeplan report out/plan        # the freeze plan's speedup and whether it fits
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 the same schedule the simulator uses, and write the measured step next to the simulator's prediction.
 
     pipeplan run                                            # tiny-cpu, 4 ranks (gloo), its 1f1b schedule
-    pipeplan run scenarios/tiny-cpu.toml --schedule zbv --virtual-stages 2 --steps 20 --out out/zbv
+    pipeplan run scenarios/tiny-cpu.toml --schedule zbv --steps 20 --out out/zbv
     pipeplan run --freeze timelyfreeze --cap 0.5 --steps 30    # TimelyFreeze: monitor, solve the LP, ramp
     pipeplan run --costs out/profile/scenario.toml         # predict with profiled costs (pipeplan profile)
     # two nodes x 2 ranks: run on each node (node 0's address as the endpoint)
@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from analysis.commands.simulate import add_schedule_arguments, scenario_overrides
+from analysis.console import busy
 from common.io import staged_output
 from runtime.config import FREEZE_MODES, RunConfig
 from runtime.launch import Rendezvous, launch
@@ -31,7 +32,7 @@ class JobFailed(Exception):
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     """Scenario, schedule, device and rendezvous flags shared by `run` and `profile`."""
-    add_schedule_arguments(parser)
+    add_schedule_arguments(parser, default_scenario="tiny-cpu")
     parser.add_argument("--microbatches", type=int, help="override pipeline.microbatches")
     parser.add_argument("--seed", type=int, default=0, help="weights, data and freezing draws (default 0)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -115,7 +116,9 @@ def launch_job(cfg: RunConfig, args: argparse.Namespace, out: str) -> dict | Non
     rdzv = rendezvous(args, schedule.num_ranks)
     with staged_output(out) as stage:
         cfg.out_dir = str(stage)
-        code = launch(cfg, rdzv)
+        with busy(f"{'profiling' if cfg.profile else 'running'} {schedule.name} on {schedule.num_ranks} ranks, "
+                     f"{cfg.steps} steps"):
+            code = launch(cfg, rdzv)
         if code != 0:
             raise JobFailed(code)
         summary = stage / ("summary.json" if not cfg.profile else "profile.json")

@@ -1,28 +1,41 @@
-"""`pipeplan simulate`: simulate one training step of a scenario and write its trace, plots and summary."""
+"""`pipeplan simulate`: simulate one training step of a scenario and write its trace, plots and summary.
+
+    pipeplan simulate                                        # the built-in LLaMA-3 8B on 4 x H100, 1F1B
+    pipeplan simulate llama3-8b-pp4-h100 --schedule zbv      # zbv takes 2 chunks per rank: no flag needed
+    pipeplan simulate my.toml --set pipeline.microbatches=32 --set memory.recompute=full --out out/sim32
+    pipeplan simulate explicit-unit --schedule-csv torch_schedule.csv   # an action order from torch
+"""
 
 from __future__ import annotations
 
 import argparse
 
 from analysis.console import print_simulation
-from analysis.outputs import write_simulation
+from analysis.outputs import scenario_title, write_simulation
 from common.io import staged_output
 from sim.config import load_scenario
 from sim.schedules import schedule_names
 from solver.step import simulate_with_memory_policy
 
+VIRTUAL_STAGES_HELP = (
+    "chunks per rank (default: the scenario's when the schedule takes it, else the schedule's own: 2 for zbv, "
+    "v-half, interleaved-1f1b, chronos; 1 for the others)"
+)
 
-def add_scenario_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("scenario", nargs="?", default=None, help="scenario TOML (default: the built-in 8B scenario)")
+
+def add_scenario_argument(parser: argparse.ArgumentParser, default: str = "llama3-8b-pp4-h100") -> None:
+    """The SCENARIO positional; `default` is the shipped scenario the command uses without one."""
+    parser.add_argument("scenario", nargs="?", default=None,
+                        help=f"scenario TOML or a shipped scenario's name (pipeplan scenarios); default: {default}")
 
 
-def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+def add_schedule_arguments(parser: argparse.ArgumentParser, default_scenario: str = "llama3-8b-pp4-h100") -> None:
     """The scenario, and the flags that replace its schedule (read back by `scenario_overrides`)."""
-    add_scenario_argument(parser)
+    add_scenario_argument(parser, default_scenario)
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--schedule", help=f"override pipeline.schedule ({', '.join(schedule_names())})")
     group.add_argument("--schedule-csv", help="run this action order (torch action-string CSV, one row per rank)")
-    parser.add_argument("--virtual-stages", type=int, help="override pipeline.virtual_stages (chunks per rank)")
+    parser.add_argument("--virtual-stages", type=int, help=VIRTUAL_STAGES_HELP)
     add_set_argument(parser)
 
 
@@ -59,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = scenario_overrides(args)
     scenario = load_scenario(args.scenario, overrides)
     result, extra = simulate_with_memory_policy(scenario, args.schedule_csv)
-    title = f"{result.schedule.name}: p={result.schedule.num_ranks} m={result.schedule.num_microbatches} " \
-            f"v={result.schedule.virtual_stages}"
+    title = f"{scenario_title(scenario, args.scenario)} - {result.schedule.name}: p={result.schedule.num_ranks} " \
+            f"m={result.schedule.num_microbatches} v={result.schedule.virtual_stages}"
     with staged_output(args.out) as stage:
         summary = write_simulation(result, stage, title, extra)
     print_simulation(summary, title)

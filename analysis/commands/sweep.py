@@ -1,4 +1,9 @@
-"""`pipeplan sweep`: simulate every combination of a grid of scenario keys; resumable; ranked, plotted."""
+"""`pipeplan sweep`: simulate every combination of a grid of scenario keys; resumable; ranked, plotted.
+
+    pipeplan sweep llama3-8b-pp4-h100 --grid pipeline.schedule=1f1b,zb-h1,zbv --grid pipeline.microbatches=8,16,32
+    pipeplan sweep llama3-8b-pp4-h100 --grid pipeline.stages=2,4,8 --set training.micro_batch_size=2
+    pipeplan sweep llama3-8b-pp4-h100 --grid pipeline.microbatches=8,16 --scheduler tcp://10.0.0.1:8786
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,16 @@ from sim.errors import PipeplanError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("scenario", help="scenario TOML whose keys the grid varies")
+    from analysis.commands.simulate import add_set_argument
+
+    parser.add_argument("scenario", help="scenario TOML, or a shipped scenario's name, whose keys the grid varies")
     parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
                         help="a scenario key and its values, e.g. pipeline.stages=2,4,8 (repeatable)")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
+    add_set_argument(parser)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help=f"worker processes (default: all cores, here {os.cpu_count() or 1})")
+    parser.add_argument("--scheduler", metavar="ADDRESS",
+                        help="run on a Dask distributed cluster, e.g. tcp://host:8786 (default: local processes)")
     parser.add_argument("--plan", action="store_true",
                         help="also solve the freeze LP per configuration (on by default when freeze.cap varies)")
     parser.add_argument("--heatmap", metavar="X,Y", help="two grid keys for the heatmap (default: the first two)")
@@ -24,12 +35,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
+    from analysis.commands.simulate import scenario_overrides
+    from analysis.console import console
+    from analysis.outputs import scenario_title
     from analysis.sweep import parse_grid, run_sweep
-    from analysis.sweep_plots import heatmap_plot, pareto_plot, print_ranked
+    from analysis.sweep_plots import heatmap_plot, pareto_plot, print_invalid, print_ranked
 
     grid = parse_grid(args.grid)
+    base = scenario_overrides(args)
     if args.jobs < 1:
         raise PipeplanError(f"--jobs: {args.jobs}; must be >= 1")
+    clash = sorted(set(base) & set(grid))
+    if clash:
+        raise PipeplanError(f"--set {clash[0]}: also a --grid key; give it in one of them")
     axes = [k for k in grid if len(grid[k]) > 1]
     if args.heatmap:
         axes = [a.strip() for a in args.heatmap.split(",")]
@@ -38,15 +56,20 @@ def run(args: argparse.Namespace) -> int:
             raise PipeplanError(f"--heatmap {args.heatmap!r}: name two --grid keys; allowed: {', '.join(grid)}")
     from sim.config import load_scenario
 
-    load_scenario(args.scenario)  # bad input is one line, before any progress bar
+    load_scenario(args.scenario, base)  # bad input is one line, before any progress bar
     out = Path(args.out)
-    with Progress() as bar:
-        task = bar.add_task("sweep", total=None)
+    with Progress(console=console) as bar:
+        task = bar.add_task("sweep" + (f" on {args.scheduler}" if args.scheduler else ""), total=None)
         rows = run_sweep(args.scenario, grid, out, args.jobs, args.plan or "freeze.cap" in grid,
-                         progress=lambda done, total: bar.update(task, completed=done, total=total))
-    pareto_plot(rows, out / "pareto.png")
+                         progress=lambda done, total: bar.update(task, completed=done, total=total),
+                         base=base, scheduler=args.scheduler)
+    sizes = {"pipeline.stages", "parallel.tp", "parallel.dp"}
+    title = scenario_title(load_scenario(args.scenario, base), args.scenario, count=not sizes & set(grid))
+    pareto_plot(rows, out / "pareto.png", title)
     if len(axes) >= 2:
-        heatmap_plot(rows, axes[0], axes[1], out / "heatmap.png")
+        heatmap_plot(rows, axes[0], axes[1], out / "heatmap.png", title)
     print_ranked(rows, list(grid), args.top)
+    print_invalid(rows)
     print(f"wrote {out}/: sweep.csv pareto.png" + (" heatmap.png" if len(axes) >= 2 else ""))
     return 0
+

@@ -72,6 +72,24 @@ def build_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int
     return spec.build(ranks, microbatches, virtual_stages).validate()
 
 
+def default_virtual_stages(name: str) -> int:
+    """Chunks per rank a scenario gets when it names `name` without pipeline.virtual_stages (1 if unknown:
+    the unknown name is reported by whoever validates it)."""
+    _import_builtin()
+    spec = SCHEDULES.get(name)
+    return spec.virtual_stages if spec is not None else 1
+
+
+def virtual_stages_for(name: str, ranks: int, microbatches: int, current: int | None) -> int:
+    """`current` if schedule `name` takes it at this size, else the schedule's default: switching a scenario
+    to zbv with --schedule alone must not require also knowing that zbv wants 2 chunks per rank."""
+    _import_builtin()
+    spec = SCHEDULES.get(name)
+    if current is not None and (spec is None or spec.check(ranks, microbatches, current) is None):
+        return current
+    return default_virtual_stages(name)
+
+
 def schedule_names() -> list[str]:
     _import_builtin()
     return list(SCHEDULES)

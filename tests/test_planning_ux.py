@@ -1,0 +1,222 @@
+"""What a new user meets: answers that say whether a plan fits, defaults that need no knowledge, shipped
+scenarios by name, templates, --version and examples, and planning commands that never import torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis.cli import COMMANDS, main
+from scenarios import scenario_path
+from sim.config import load_scenario
+
+UNIT = str(scenario_path("explicit-unit"))
+
+
+def _summary(folder) -> dict:
+    return json.loads((folder / "summary.json").read_text())
+
+
+# --- fits ----------------------------------------------------------------------------------------------------
+
+
+def test_fits_is_peak_against_capacity_on_the_tightest_rank(tmp_path, capsys):
+    tight, roomy = tmp_path / "zbv", tmp_path / "1f1b"
+    assert main(["simulate", "--schedule", "zbv", "--out", str(tight)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert main(["simulate", "--out", str(roomy)]) == 0
+    for folder in (tight, roomy):
+        s = _summary(folder)
+        peaks = np.array(s["peak_hbm_bytes"])
+        assert s["hbm_limit_bytes"] == s["hbm_capacity_bytes"]  # no margin in the scenario
+        assert s["tightest_rank"] == int(peaks.argmax())
+        assert s["over_capacity_bytes"] == pytest.approx(max(0.0, peaks.max() - s["hbm_limit_bytes"]))
+        assert s["fits"] == bool(peaks.max() <= s["hbm_limit_bytes"])
+    s = _summary(tight)
+    assert not s["fits"] and s["oom"]
+    over = f"{s['over_capacity_bytes'] / 2**30:.2f} GiB over"
+    assert first.startswith("DOES NOT FIT") and over in first  # the console's first line says it
+    assert _summary(roomy)["fits"]
+
+
+def test_plan_says_plainly_when_it_does_not_fit(tmp_path, capsys):
+    out = tmp_path / "plan"
+    # unit costs hold 1 byte per activation: a 1-byte-ish HBM cannot hold the 1F1B warm-up
+    assert main(["plan", UNIT, "--cap", "0.5", "--set", "costs.hbm_gib=1e-9", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["fits"] is False and plan["fits_before"] is False
+    assert plan["over_capacity_bytes"] == pytest.approx(plan["peak_hbm_bytes_after"] - 2**30 * 1e-9)
+    assert text.startswith("DOES NOT FIT") and "The plan does not fit" in text and "peak HBM (GiB)" in text
+    assert not (out / "gantt.png").exists() and (out / "gantt_after.png").exists()  # no duplicate Gantt
+
+
+# --- defaults ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("zbv", 2), ("v-half", 2), ("interleaved-1f1b", 2), ("chronos", 2),
+                                             ("zb-h1", 1), ("gpipe", 1)])
+def test_schedule_alone_gets_the_chunks_it_takes(schedule, v):
+    assert load_scenario(UNIT, {"pipeline.schedule": schedule}).pipeline.virtual_stages == v
+
+
+def test_virtual_stages_default_in_a_file_and_kept_when_valid(tmp_path):
+    text = scenario_path("explicit-unit").read_text().replace("virtual_stages = 1\n", "")
+    assert "virtual_stages" not in text
+    f = tmp_path / "s.toml"
+    f.write_text(text.replace('schedule = "1f1b"', 'schedule = "zbv"'))
+    assert load_scenario(f).pipeline.virtual_stages == 2
+    # a chronos file with 4 chunks per rank, switched to interleaved-1f1b, keeps 4 (interleaved takes it)
+    f.write_text(text.replace('schedule = "1f1b"', 'schedule = "chronos"\nvirtual_stages = 4'))
+    assert load_scenario(f, {"pipeline.schedule": "interleaved-1f1b"}).pipeline.virtual_stages == 4
+    assert load_scenario(f, {"pipeline.schedule": "zbv"}).pipeline.virtual_stages == 2
+
+
+# --- sweeps: like with like, invalid by reason, the report ----------------------------------------------------
+
+
+def test_sweep_per_gpu_columns_invalid_reasons_and_report(tmp_path, capsys):
+    out = tmp_path / "sw"
+    argv = ["sweep", "llama3-8b-pp4-h100", "--grid", "pipeline.stages=2,4", "--grid", "pipeline.schedule=1f1b,zbv",
+            "--grid", "pipeline.virtual_stages=1", "--set", "parallel.dp=2", "--jobs", "1", "--out", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    df = pd.read_csv(out / "sweep.csv")
+    ok = df[df["status"] == "ok"]
+    assert (ok["gpus"] == ok["pipeline.stages"] * 2).all()  # stages x tp (1) x dp (2)
+    assert (ok["global_batch"] == 8 * 2).all()  # microbatches x micro_batch_size x dp
+    assert np.allclose(ok["tokens_per_s_per_gpu"] * ok["gpus"], ok["tokens_per_s"])
+    assert "2 invalid combinations" in text
+    assert "2 x pipeline: schedule 'zbv' needs pipeline.virtual_stages = 2" in text
+
+    assert main(["report", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    fit = ok[ok["fits"]]
+    best = fit.loc[fit["tokens_per_s_per_gpu"].idxmax()]
+    lead = md.split("\n")[2]
+    config = f"stages = {best['pipeline.stages']}, schedule = {best['pipeline.schedule']}"
+    assert lead.startswith(f"**Best that fits: {config}")
+    assert f"{best['tokens_per_s']:,.0f} tokens/s" in lead
+    assert "## Invalid combinations (2), not simulated" in md and "nan" not in md.lower()
+    assert md.index("Best that fits") < md.index("## Files") and md.count("![pareto.png]") == 1
+
+
+def test_report_answers_for_simulate_and_plan(tmp_path):
+    sim, plan = tmp_path / "sim", tmp_path / "plan"
+    assert main(["simulate", "--out", str(sim)]) == 0 and main(["report", str(sim)]) == 0
+    s = _summary(sim)
+    md = (sim / "report.md").read_text()
+    assert f"one step takes {s['makespan_s']:.4g} s" in md and "Fits: the tightest rank" in md
+    assert main(["plan", UNIT, "--cap", "0.5", "--out", str(plan)]) == 0 and main(["report", str(plan)]) == 0
+    p = json.loads((plan / "plan.json").read_text())
+    assert f"{p['speedup']:.3f}× faster" in (plan / "report.md").read_text()
+
+
+# --- scenarios, init, show, --version, examples -----------------------------------------------------------------
+
+
+def test_shipped_scenario_by_name_equals_its_path(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["simulate", "explicit-unit", "--out", str(a)]) == 0
+    assert main(["simulate", UNIT, "--out", str(b)]) == 0
+    assert _summary(a)["makespan_s"] == _summary(b)["makespan_s"]
+    assert main(["simulate", "no-such-scenario", "--out", str(tmp_path / "c")]) == 2
+
+
+def test_scenarios_lists_every_shipped_one(capsys):
+    from scenarios import scenario_names
+
+    assert main(["scenarios"]) == 0
+    text = capsys.readouterr().out
+    assert all(name in text for name in scenario_names())
+
+
+@pytest.mark.parametrize("flags", [[], ["--costs"]])
+def test_init_template_simulates_as_written(tmp_path, flags):
+    path = tmp_path / "mine.toml"
+    assert main(["init", str(path), *flags]) == 0
+    assert main(["simulate", str(path), "--out", str(tmp_path / "sim")]) == 0
+    assert main(["init", str(path)]) == 2  # never overwrites
+
+
+def test_show_resolves_costs_and_memory(tmp_path, capsys):
+    from sim.costs import build_cost_table
+
+    assert main(["show", "llama3-8b-pp4-h100", "--set", "pipeline.schedule=zbv"]) == 0
+    text = capsys.readouterr().out
+    costs = build_cost_table(load_scenario("llama3-8b-pp4-h100", {"pipeline.schedule": "zbv"}))
+    assert "8 chunks" in text and f"{costs.forward_s[7] * 1e3:.4g}" in text
+    assert main(["simulate", "--schedule", "zbv", "--out", str(tmp_path)]) == 0
+    s = _summary(tmp_path)
+    assert f"{max(s['peak_hbm_bytes']) / 2**30:.2f}" in text and "DOES NOT FIT" in text
+
+
+def test_version_and_an_example_in_every_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("pipeplan ")
+    for command in COMMANDS:
+        try:
+            with pytest.raises(SystemExit):
+                main([command, "--help"])
+        except SystemExit:  # a torch command where torch is missing exits 2 before printing help
+            continue
+        text = capsys.readouterr().out
+        assert "examples:" in text and f"pipeplan {command}" in text.split("examples:")[1], command
+
+
+# --- light install: planning imports no torch --------------------------------------------------------------------
+
+TORCH_FREE = """
+import sys
+from pathlib import Path
+from analysis.cli import main
+out = Path(sys.argv[1])
+runs = [
+    ["simulate", "explicit-unit", "--out", str(out / "sim")],
+    ["simulate", "--schedule", "nope", "--out", str(out / "bad")],
+    ["plan", "explicit-unit", "--cap", "0.5", "--out", str(out / "plan")],
+    ["capacity", "tiny-cpu", "--policies", "1f1b", "--out", str(out / "cap")],
+    ["sweep", "explicit-unit", "--grid", "pipeline.microbatches=4,8", "--jobs", "1", "--out", str(out / "sw")],
+    ["report", str(out / "sw")],
+    ["scenarios"],
+    ["init", str(out / "t.toml")],
+    ["show", "tiny-cpu"],
+]
+if "validate" in __import__("analysis.cli").cli.COMMANDS:
+    runs.append(["validate", "--help"])  # its module and flags (its run belongs to its own tests)
+for argv in runs:
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    print("RESULT", argv[0], code, "torch" in sys.modules)
+"""
+
+
+def test_planning_commands_import_no_torch(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", TORCH_FREE, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600)
+    results = [line.split() for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert len(results) >= 9, proc.stderr[-2000:]
+    assert [r for r in results if r[3] != "False"] == []  # no command loaded torch
+    assert {r[1]: r[2] for r in results}["simulate"] in ("0", "2")
+
+
+@pytest.mark.parametrize("argv", [["run", "--help"], ["profile", "--help"], ["lcp", "bench", "--n", "1e3"]])
+def test_torch_commands_name_the_extra_when_torch_is_missing(argv, tmp_path):
+    code = textwrap.dedent(f"""
+        import sys
+        sys.modules["torch"] = None  # as if torch were not installed
+        from analysis.cli import main
+        sys.exit(main({[*argv, "--out", str(tmp_path)] if argv[0] == "lcp" else argv!r}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "install pipeplan[runtime]" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
