@@ -1,22 +1,26 @@
-"""Exact top-k longest-common-prefix retrieval: sorted packed rows, binary search, range-bounded scan.
+"""Exact top-k longest-common-prefix retrieval: sorted packed rows, adjacent LCPs, a smallest-id tree.
 
 Why it is exact. Let s_0 <= ... <= s_{N-1} be the rows in lexicographic order and p the insertion point
-of a query q. For j < p, LCP(q, s_j) = min(LCP(q, s_{p-1}), LCP(s_{j}, s_{j+1}), ..., LCP(s_{p-2}, s_{p-1}))
-and symmetrically for j >= p, so LCP(q, s_j) rises towards p and falls after it: for every depth d the
-rows with LCP >= d form one contiguous range S_d (the rows whose first d tokens equal q's), and
+of a query q. For j < p, LCP(q, s_j) = min(LCP(q, s_{p-1}), LCP(s_j, s_{j+1}), ..., LCP(s_{p-2}, s_{p-1}))
+and symmetrically for j >= p, so LCP(q, s_j) falls away from p on both sides: for every depth d the rows
+with LCP >= d form one contiguous range S_d (the rows whose first d tokens equal q's), and
 S_0 ⊇ S_1 ⊇ ... . Let d* be the largest d with |S_d| >= k. Then the top-k is all of S_{d*+1} (fewer than
-k rows) plus the k - |S_{d*+1}| smallest ids of S_{d*} \\ S_{d*+1} (all at LCP d*). Both are cheap:
+k rows) plus the k - |S_{d*+1}| smallest ids of S_{d*} \\ S_{d*+1} (all at LCP d*). Each piece is cheap:
 
-* S_{d*+1} lies within the window [p - k, p + k), and |S_d| >= k iff the window holds >= k rows with LCP
-  >= d (a range containing p-1 or p that leaves the window covers k window rows); so d* is the k-th
-  largest LCP in the window, whose 2k LCPs are computed directly from the packed words.
-* S_{d*} = [lo, hi) comes from two binary searches on the rows cut to d* tokens; the tie set
-  [lo, a) ∪ [b, hi) around S_{d*+1} = [a, b) yields its smallest ids through `MinIdTable`, or by a direct
-  gather when it is small.
+* Window. S_{d*+1} lies within [p - k, p + k), and the window's 2k LCPs are two running minima of the
+  stored adjacent LCPs (`adj`) started from LCP(q, s_{p-1}) and LCP(q, s_p); each side is non-increasing,
+  so d* is the k-th largest of two sorted lists (a max-min over the k + 1 ways to split k between them).
+* Range. S_{d*} = [lo, hi) is read off the window when it ends inside it, else found by binary search on
+  the rows cut to d* tokens (`searchsorted` on the first words, then a short refinement).
+* Ties. The k smallest ids of [lo, hi) come from `SmallestIds` (lcp/smallest.py) in O(k log(R/k)) per
+  query whatever R = hi - lo is; those inside S_{d*+1} are dropped and the rest fill the free slots.
 
-Cost per query: three binary searches of ceil(log2(N+1)) steps over W = ceil(L·bits/64) words, 2k window
-LCPs, and O(k · 64) gathers for the tie-break; memory: the packed rows (the raw bytes, rounded up to whole
-words), ids in sorted order, lengths if they vary, and an O(N/64 · log N) sparse table.
+Cost per query: two `searchsorted` calls on the first words plus refinement steps only where first words
+tie, O(k) for the window and O(k log(R/k) + 64) for the tie-break. Host syncs per batch chunk (matter on
+CUDA): at most four — the refinement step counts of two searches, whether any range leaves its window,
+and one read of the widths that size the gathers. Memory: the packed rows (raw bytes rounded up to whole
+words), int32 ids, lengths if they vary, N adjacent LCPs (1 byte each for L < 256) and the tree (about
+9 bytes per row).
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ import torch
 
 from lcp import fileformat, ranking
 from lcp.errors import LCPError
-from lcp.rmq import _NO_ID, MinIdTable
+from lcp.ranking import LCPTopK
+from lcp.smallest import CAP, SmallestIds, smallest_by_sort, smallest_direct
 from lcp.sort import lex_order
 from lcp.tokens import (
     DTYPE_NAMES,
     TokenFormat,
+    as_batch,
     check_lengths,
     check_rows,
     lcp_words,
@@ -44,7 +50,8 @@ from lcp.tokens import (
     token_format,
 )
 
-FENCE = 64  # rows between the sampled first words that start each binary search
+_NONE = torch.iinfo(torch.int64).max  # an id no row has
+_ELEMS = 1 << 21  # (query, window column) pairs per chunk of the batch: bounds every temporary
 
 
 def check_k(k: object) -> int:
@@ -64,18 +71,38 @@ def _length_dtype(length: int) -> torch.dtype:
     return torch.uint8 if length < 256 else torch.int16 if length < 2**15 else torch.int32
 
 
-class LCPIndex:
-    """Rows sorted lexicographically as packed words; answers batched exact top-k LCP queries."""
+def _adjacent_lcps(words: torch.Tensor, lengths: torch.Tensor | None, fmt: TokenFormat) -> torch.Tensor:
+    """LCP of each sorted row with the next, within both lengths: [max(N - 1, 1)] in the narrowest dtype."""
+    n = words.shape[0]
+    out = torch.zeros(max(n - 1, 1), dtype=_length_dtype(fmt.length), device=words.device)
+    step = 1 << 20
+    for s in range(0, n - 1, step):
+        e = min(n - 1, s + step)
+        lcp = torch.clamp(lcp_words(words[s:e], words[s + 1 : e + 1], fmt), max=fmt.length)
+        if lengths is not None:
+            lcp = torch.minimum(lcp, torch.minimum(lengths[s:e], lengths[s + 1 : e + 1]).to(torch.int64))
+        out[s:e] = lcp
+    return out
 
-    # tie sets up to this many rows are gathered directly; larger ones go through the sparse table
-    direct_cap: int = 1024
+
+class LCPIndex:
+    """Rows sorted lexicographically as packed words; answers batched exact top-k LCP queries.
+
+    `topk(queries, k)` returns `LCPTopK(lcps, ids)`. Its cost grows with k as O(k log(R/k)) per query
+    (R: rows tied at the k-th LCP) and is linear in the batch; batches are processed in chunks of about
+    2M (query × window column) pairs, so memory stays bounded at any k and batch size.
+    """
+
+    # tie ranges up to this many rows are read directly, larger ones through the tree; None: the cheaper
+    direct_cap: int | None = None
 
     def __init__(
         self, fmt: TokenFormat, words: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor | None
     ) -> None:
-        self.fmt, self.words, self.ids, self.lengths = fmt, words, ids, lengths
-        self.table = MinIdTable(ids)
-        self.fences = words[::FENCE, 0].contiguous()  # (ceil(N / FENCE),) narrows every binary search
+        self.fmt, self.ids, self.lengths = fmt, ids, lengths
+        self.cols = words.t().contiguous()  # (W, N): each word position contiguous, for searchsorted
+        self.adj = _adjacent_lcps(words, lengths, fmt)  # (N - 1,)
+        self.tree = SmallestIds(ids)
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
@@ -108,7 +135,23 @@ class LCPIndex:
 
     @property
     def n(self) -> int:
-        return self.words.shape[0]
+        return self.cols.shape[1]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __repr__(self) -> str:
+        dtype = str(self.fmt.dtype).removeprefix("torch.")
+        lengths = "variable" if self.lengths is not None else "fixed"
+        return (
+            f"LCPIndex(n={self.n:,}, length={self.length}, dtype={dtype}, lengths={lengths}, "
+            f"device={self.device}, nbytes={self.nbytes:,})"
+        )
+
+    @property
+    def words(self) -> torch.Tensor:
+        """Packed sorted rows [N, W] (a view of the column-major storage)."""
+        return self.cols.t()
 
     @property
     def length(self) -> int:
@@ -116,114 +159,151 @@ class LCPIndex:
 
     @property
     def device(self) -> torch.device:
-        return self.words.device
+        return self.cols.device
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the index: packed rows, ids, lengths (if any), fences and the tie-break table."""
-        held = [self.words, self.ids, self.fences] + ([self.lengths] if self.lengths is not None else [])
-        return sum(t.numel() * t.element_size() for t in held) + self.table.nbytes
+        """Bytes held by the index: packed rows, ids, lengths (if any), adjacent LCPs and the id tree."""
+        held = [self.cols, self.ids, self.adj] + ([self.lengths] if self.lengths is not None else [])
+        return sum(t.numel() * t.element_size() for t in held) + self.tree.nbytes
 
     # ---- queries ------------------------------------------------------------------------------------
-    def topk(
-        self, queries: torch.Tensor, k: int, query_lengths: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, lcps), both int64 [B, k]: by LCP descending, ties by smallest id; -1 pads when k > N."""
+    def topk(self, queries: torch.Tensor, k: int, query_lengths: torch.Tensor | None = None) -> LCPTopK:
+        """LCPTopK(lcps, ids), int64 [B, k] ([k] for a 1-D query): LCP descending, ties by smallest id.
+
+        -1 pads both when k > N. Query tokens may have any integer dtype; a token outside the index's
+        dtype matches nothing.
+        """
         k = check_k(k)
+        queries, query_lengths, single = as_batch(queries, query_lengths)
         qw, qlen = prepare_queries(queries, query_lengths, self.fmt, self.device)
         b, kk = qw.shape[0], min(k, self.n)
         ids = torch.full((b, k), -1, dtype=torch.int64, device=self.device)
         lcps = torch.full((b, k), -1, dtype=torch.int64, device=self.device)
-        chunk = max(1, (1 << 22) // (2 * kk * (self.fmt.words + 1) + self.direct_cap))  # bounds temporaries
+        chunk = max(1, _ELEMS // (2 * kk + 128))  # the window's columns; independent of any tie size
         for s in range(0, b, chunk):
-            ids[s : s + chunk, :kk], lcps[s : s + chunk, :kk] = self._topk(qw[s : s + chunk], qlen[s : s + chunk], kk)
-        return ids, lcps
+            got = self._topk(qw[s : s + chunk], qlen[s : s + chunk], kk)
+            ids[s : s + chunk, :kk], lcps[s : s + chunk, :kk] = got.ids, got.lcps
+        return LCPTopK(lcps[0], ids[0]) if single else LCPTopK(lcps, ids)
 
-    def _topk(self, qw: torch.Tensor, qlen: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.n
-        p = self._bound(qw, qlen, upper=False)  # (B,) insertion point
-        pos = p[:, None] + torch.arange(-k, k, device=self.device)  # (B, 2k) window
-        inside = (pos >= 0) & (pos < n)
-        pos = pos.clamp(0, n - 1)
-        lcp = self._lcp_at(pos, qw, qlen).masked_fill(~inside, -1)  # (B, 2k)
-        d = lcp.topk(k, 1).values[:, -1]  # (B,) d*: the k-th largest LCP
-        above = lcp > d[:, None]  # S_{d*+1}, wholly inside the window
-        n_above = above.sum(1)
-        lo = self._bound(qw, d, upper=False)  # S_{d*} = [lo, hi)
-        hi = self._bound(qw, d, upper=True)
-        a = pos.gather(1, above.to(torch.int8).argmax(1, keepdim=True)).squeeze(1)
-        a = torch.where(n_above > 0, a, lo)  # S_{d*+1} = [a, a + n_above)
-        need = k - n_above  # (B,) >= 1 slots filled at LCP d*
-        tie = self._smallest_ids(torch.stack([lo, a + n_above], 1), torch.stack([a, hi], 1), need)
-        cand_pos = torch.cat([pos, tie.clamp(min=0)], 1)  # (B, 2k + c)
-        cand_lcp = torch.cat([lcp.masked_fill(~above, -1), torch.where(tie >= 0, d[:, None], -1)], 1)
-        score = ranking.encode(cand_lcp, self.ids[cand_pos].to(torch.int64), n)
-        return ranking.decode(ranking.best(score, k), n)  # exactly k valid candidates
+    def _topk(self, qw: torch.Tensor, qlen: torch.Tensor, k: int) -> LCPTopK:
+        n, dev, b = self.n, self.device, qw.shape[0]
+        full = torch.full_like(qw, -1)  # every token kept
+        p = self._search(qw, full, qlen, upper=False)  # (B,) insertion point
+        ends = torch.stack([p - 1, p], 1)  # (B, 2) the two neighbours of q
+        edge = self._lcp_at(ends.clamp(0, n - 1), qw, qlen).masked_fill((ends < 0) | (ends >= n), -1)
+        t = torch.arange(k, device=dev)
+        last = self.adj.shape[0] - 1
+        # left[i] = LCP(q, s_{p-1-i}), right[i] = LCP(q, s_{p+i}): running minima of adjacent LCPs
+        left_adj = self.adj[(p[:, None] - 2 - t[:-1]).clamp(0, last)].to(torch.int64)
+        left = torch.cat([edge[:, :1], left_adj], 1).cummin(1).values.masked_fill(p[:, None] - 1 - t < 0, -1)
+        right_adj = self.adj[(p[:, None] + t[:-1]).clamp(0, last)].to(torch.int64)
+        right = torch.cat([edge[:, 1:], right_adj], 1).cummin(1).values.masked_fill(p[:, None] + t >= n, -1)
+        # d* = k-th largest of two non-increasing lists = max over splits i of min(left[i-1], right[k-i-1])
+        top = torch.full((b, 1), self.length + 1, dtype=torch.int64, device=dev)
+        d = torch.minimum(torch.cat([top, left], 1), torch.cat([top, right], 1).flip(1)).amax(1)  # (B,)
+        gt_l, gt_r = (left > d[:, None]).sum(1), (right > d[:, None]).sum(1)  # S_{d*+1} = [p-gt_l, p+gt_r)
+        ge_l, ge_r = (left >= d[:, None]).sum(1), (right >= d[:, None]).sum(1)
+        lo, hi = p - ge_l, p + ge_r  # S_{d*} when it ends inside the window
+        out_l, out_r = (ge_l == k) & (p - k > 0), (ge_r == k) & (p + k < n)  # it may not
+        if bool((out_l | out_r).any()):
+            masks = prefix_masks(d, self.fmt)
+            lo = torch.where(out_l, self._search(qw, masks, d, upper=False, active=out_l), lo)
+            hi = torch.where(out_r, self._search(qw, masks, d, upper=True, active=out_r), hi)
+        width, ml, mr = torch.stack([(hi - lo).max(), gt_l.max(), gt_r.max()]).tolist()
+        # rows above d*: at most k - 1, ranked by (lcp desc, id asc)
+        pos = torch.cat([p[:, None] - 1 - t[:ml], p[:, None] + t[:mr]], 1)  # (B, ml + mr)
+        lcp = torch.cat([left[:, :ml], right[:, :mr]], 1)
+        above_ids = self._ids_at(pos)
+        score = ranking.encode(torch.where(lcp > d[:, None], lcp, -1), above_ids, n)
+        out = torch.full((b, k + 1), -1, dtype=torch.int64, device=dev)  # column k: a sink for unused ties
+        tie = self._smallest(lo, hi, k, width)  # (B, k) the smallest ids of S_{d*}, ascending; -1 pads
+        keep = tie >= 0
+        if ml + mr:
+            out[:, : min(k, ml + mr)] = score.topk(min(k, ml + mr), 1).values
+            # rows of S_{d*+1} are also in S_{d*}: drop their ids from the tie list
+            listed = torch.where(lcp > d[:, None], above_ids, _NONE).sort(1).values  # (B, ml + mr)
+            at = torch.searchsorted(listed, tie).clamp(max=ml + mr - 1)
+            keep &= listed.gather(1, at) != tie
+        # rows at d*: the smallest ids of S_{d*} outside S_{d*+1} fill the remaining slots in id order
+        rank = keep.cumsum(1) - 1
+        n_above = gt_l + gt_r
+        slot = torch.where(keep & (rank < (k - n_above)[:, None]), n_above[:, None] + rank, k)
+        out.scatter_(1, slot, ranking.encode(d[:, None].expand(-1, k), tie, n))
+        return ranking.decode(out[:, :k], n)
+
+    def _ids_at(self, pos: torch.Tensor) -> torch.Tensor:
+        return self.ids[pos.clamp(0, self.n - 1)].to(torch.int64)
 
     def _lcp_at(self, pos: torch.Tensor, qw: torch.Tensor, qlen: torch.Tensor) -> torch.Tensor:
         """LCP [B, C] of query b with the row at sorted position pos[b, c]."""
         b, c = pos.shape
-        rows = self.words.index_select(0, pos.flatten()).view(b, c, -1)  # (B, C, W)
+        rows = self.cols[:, pos.flatten()].t().reshape(b, c, -1)  # (B, C, W)
         lcp = lcp_words(rows, qw[:, None, :], self.fmt)
         cap = qlen[:, None].expand(b, c)
         if self.lengths is not None:
             cap = torch.minimum(cap, self.lengths[pos].to(torch.int64))
         return torch.minimum(lcp, cap)
 
-    def _bound(self, qw: torch.Tensor, d: torch.Tensor, upper: bool) -> torch.Tensor:
-        """First sorted position whose row cut to d tokens is >= (upper: >) the query cut to d tokens."""
-        masks = prefix_masks(d, self.fmt)  # (B, W)
-        qm = qw & masks
-        lo, hi = self._fence_range(qm[:, 0].contiguous(), masks[:, 0].contiguous())
-        steps = int((hi - lo).max()).bit_length() if d.numel() else 0
-        for _ in range(steps):  # ceil(log2(hi - lo + 1)) halvings of [lo, hi]
+    def _search(
+        self,
+        qw: torch.Tensor,
+        masks: torch.Tensor,
+        short: torch.Tensor,
+        upper: bool,
+        active: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """First sorted position whose row, cut by `masks`, is >= (upper: >) the query cut the same way.
+
+        A row whose cut equals the query's but whose length is < short[b] counts as smaller (a proper
+        prefix sorts first). The first words settle it through `searchsorted`, exact for the tokens of
+        word 0: (x & m) >= q iff x >= q, and (x & m) <= q iff x <= q | ~m, for a mask m that keeps the
+        sign bit. Only rows whose cut first word equals the query's are then binary-searched on the rest.
+        """
+        n, m0 = self.n, masks[:, 0]
+        q0 = (qw[:, 0] & m0).contiguous()
+        everything = m0 == 0  # no token kept: every row's cut equals the query's
+        more = masks[:, 1:].ne(0).any(1) if masks.shape[1] > 1 else torch.zeros_like(everything)
+        if self.lengths is not None:
+            more = more | (short > 0)
+        if active is not None:
+            more = more & active
+        refine = bool(more.any())  # else one side of the first-word range is the answer
+        first = past = None
+        if refine or not upper:
+            first = torch.where(everything, 0, torch.searchsorted(self.cols[0], q0, side="left"))
+        if refine or upper:
+            past = torch.where(everything, n, torch.searchsorted(self.cols[0], q0 | ~m0, side="right"))
+        settled = past if upper else first
+        if not refine:
+            return settled
+        lo, hi = torch.where(more, first, settled), torch.where(more, past, settled)
+        steps = int((hi - lo).max()).bit_length() if lo.numel() else 0
+        qm = qw[:, 1:] & masks[:, 1:]
+        for _ in range(steps):  # halve [lo, hi] until lo == hi
             mid = (lo + hi) >> 1
-            at = mid.clamp(max=self.n - 1)
-            c = lex_compare(self.words.index_select(0, at) & masks, qm)  # (B,)
-            if self.lengths is not None:  # a row shorter than d sorts before q's d-prefix
-                c = torch.where((c == 0) & (self.lengths[at].to(torch.int64) < d), -1, c)
+            at = mid.clamp(max=n - 1)
+            if qm.shape[1]:
+                c = lex_compare(self.cols[1:, at].t() & masks[:, 1:], qm)  # (B,)
+            else:
+                c = torch.zeros_like(at)
+            if self.lengths is not None:
+                c = torch.where((c == 0) & (self.lengths[at].to(torch.int64) < short), -1, c)
             right = c <= 0 if upper else c < 0
-            active = lo < hi
-            lo = torch.where(active & right, mid + 1, lo)
-            hi = torch.where(active & ~right, mid, hi)
+            active_now = lo < hi
+            lo = torch.where(active_now & right, mid + 1, lo)
+            hi = torch.where(active_now & ~right, mid, hi)
         return lo
 
-    def _fence_range(self, q0: torch.Tensor, m0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[lo, hi] holding every row whose first word, cut by mask m0, equals q0: where the bound lies.
-
-        Cutting keeps the sign bit, so (x & m0) >= q0 iff x >= q0 and (x & m0) <= q0 iff x <= q0 | ~m0;
-        the fences (every FENCE-th row's first word) bound both positions to within FENCE rows.
-        """
-        below = torch.searchsorted(self.fences, q0, side="left")  # fences < q0
-        upto = torch.searchsorted(self.fences, q0 | ~m0, side="right")  # fences <= q0's largest extension
-        everything = m0 == 0  # no token of word 0 kept: every row matches
-        lo = torch.where(everything, 0, (below - 1).clamp(min=0) * FENCE)
-        hi = torch.where(everything, self.n, (upto * FENCE).clamp(max=self.n))
-        return lo, hi
-
-    def _smallest_ids(self, lo: torch.Tensor, hi: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
-        """Positions [B, max(need)] of the need[b] smallest ids in ranges [lo[b, r], hi[b, r]); -1 pads."""
-        count = int(need.max())
-        size = (hi - lo).clamp(min=0).sum(1)
-        out = torch.full((lo.shape[0], count), -1, dtype=torch.int64, device=self.device)
-        direct = size <= self.direct_cap
-        rows = direct.nonzero().squeeze(1)
-        if rows.numel():
-            width = max(1, int(size[rows].max()))
-            t = torch.arange(width, device=self.device)
-            l0, l1 = lo[rows, :1], lo[rows, 1:]
-            n0 = (hi[rows, :1] - l0).clamp(min=0)
-            pos = torch.where(t < n0, l0 + t, l1 + t - n0)  # (R, width) both ranges back to back
-            ok = t < size[rows, None]
-            ids = torch.where(ok, self.ids[pos.clamp(0, self.n - 1)].to(torch.int64), _NO_ID)
-            take = min(count, width)
-            best, j = ids.topk(take, 1, largest=False)
-            out[rows, :take] = torch.where(best != _NO_ID, pos.gather(1, j), -1)
-        rows = (~direct).nonzero().squeeze(1)
-        if rows.numel():
-            out[rows] = self.table.smallest(lo[rows], hi[rows], count)
-        slot = torch.arange(count, device=self.device)
-        return out.masked_fill(slot[None, :] >= need[:, None], -1)
+    def _smallest(self, lo: torch.Tensor, hi: torch.Tensor, count: int, width: int) -> torch.Tensor:
+        """Ids [B, count]: the `count` smallest ids in [lo, hi), ascending, -1 pads (width >= every hi - lo)."""
+        levels = (width // 64).bit_length()
+        cap = self.tree.columns(count, levels) if self.direct_cap is None else self.direct_cap
+        if width <= max(count, cap):
+            return smallest_direct(self.ids, lo, hi, count, width)
+        if count > CAP:
+            return smallest_by_sort(self.ids, lo, hi, count)
+        return self.tree.smallest(lo, hi, count, levels)
 
     # ---- persistence --------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:

@@ -147,6 +147,17 @@ def pack_rows(
     return out
 
 
+def as_batch(queries: object, query_lengths: object) -> tuple[object, object, bool]:
+    """A 1-D query [L'] (and a scalar length) as a batch of one: (queries, lengths, was_single)."""
+    if isinstance(queries, torch.Tensor) and queries.dim() == 1:
+        if isinstance(query_lengths, int) and not isinstance(query_lengths, bool):
+            query_lengths = torch.tensor([query_lengths])
+        elif isinstance(query_lengths, torch.Tensor) and query_lengths.dim() == 0:
+            query_lengths = query_lengths.reshape(1)
+        return queries[None, :], query_lengths, True
+    return queries, query_lengths, False
+
+
 def prepare_queries(
     queries: torch.Tensor, query_lengths: torch.Tensor | None, fmt: TokenFormat, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:

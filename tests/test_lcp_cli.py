@@ -45,7 +45,8 @@ def test_build_then_query_matches_the_library(tmp_path, rows_npy, capsys):
                  "--out", str(hits)]) == 0  # fmt: skip
     got = pd.read_csv(hits)
     assert list(got.columns) == ["query", "rank", "id", "lcp"]
-    ids, lcps = LCPIndex.build(rows).topk(queries, 5)
+    top = LCPIndex.build(rows).topk(queries, 5)
+    ids, lcps = top.ids, top.lcps
     assert got["id"].tolist() == ids.flatten().tolist()
     assert got["lcp"].tolist() == lcps.flatten().tolist()
     assert got["rank"].tolist() == [1, 2, 3, 4, 5] * 7

@@ -63,7 +63,7 @@ def test_bad_k(index, k):
 @pytest.mark.parametrize(
     "queries, query_lengths, message",
     [
-        (torch.tensor([1, 2, 3], dtype=torch.uint8), None, "queries must have rank 2"),
+        (torch.zeros((1, 2, 3), dtype=torch.uint8), None, "queries must have rank 2"),  # 1-D: one query
         (torch.zeros((2, 3), dtype=torch.float64), None, "queries has dtype torch.float64"),
         (ROWS, torch.tensor([1, 2, 9]), r"query_lengths must lie in \[0, 3\]"),
         (ROWS, torch.tensor([[1, 2, 3]]), "query_lengths must be a 1-D"),
@@ -79,12 +79,12 @@ def test_index_still_answers_after_bad_queries(index):
     with pytest.raises(LCPError):
         index.topk(torch.zeros(3), 2)
     got = index.topk(ROWS, 2)
-    assert torch.equal(got[0], want[0]) and got[0].tolist() == [[0, 1], [1, 0], [2, 0]]
+    assert torch.equal(got.ids, want.ids) and got.ids.tolist() == [[0, 1], [1, 0], [2, 0]]
 
 
 def test_roundtrip_then_every_corruption_is_caught(saved):
     good = saved.read_bytes()
-    assert LCPIndex.load(saved).topk(ROWS, 1)[0].tolist() == [[0], [1], [2]]
+    assert LCPIndex.load(saved).topk(ROWS, 1).ids.tolist() == [[0], [1], [2]]
     cases = {
         "truncated": good[:-5],
         "trailing bytes": good + b"\0",
@@ -152,7 +152,7 @@ def test_pairwise_refuses_naming_the_bytes():
     pairwise = Pairwise.build(ROWS, budget_bytes=10)
     with pytest.raises(LCPError, match=r"needs 18 bytes .* budget is 10 bytes"):
         pairwise.topk(ROWS, 2)  # a 3×3 int16 matrix
-    assert Pairwise.build(ROWS, budget_bytes=18).topk(ROWS, 1)[0].tolist() == [[0], [1], [2]]
+    assert Pairwise.build(ROWS, budget_bytes=18).topk(ROWS, 1).ids.tolist() == [[0], [1], [2]]
 
 
 def test_trie_limits():

@@ -73,7 +73,8 @@ def expected(rows, lengths, queries, query_lengths, k):
 
 
 def assert_topk(method, queries, query_lengths, k, want, device="cpu"):
-    ids, lcps = method.topk(queries.to(device), k, query_lengths.to(device))
+    got = method.topk(queries.to(device), k, query_lengths.to(device))
+    ids, lcps = got.ids, got.lcps
     assert ids.device.type == device
     assert ids.dtype == lcps.dtype == torch.int64 and ids.shape == (queries.shape[0], k)
     assert torch.equal(ids.cpu(), want[0]), f"ids differ:\n{ids}\n{want[0]}"
@@ -134,7 +135,8 @@ def test_adversarial_rows(name, make, device):
 def test_query_tokens_outside_the_index_dtype_match_nothing():
     rows = torch.tensor([[1, 2, 3], [1, 2, 255], [0, 0, 0]], dtype=torch.uint8)
     queries = torch.tensor([[1, 2, 300], [-1, 2, 3], [1, 2, 255]])  # int64 queries on a uint8 index
-    ids, lcps = LCPIndex.build(rows).topk(queries, 3)
+    got = LCPIndex.build(rows).topk(queries, 3)
+    ids, lcps = got.ids, got.lcps
     assert ids.tolist() == [[0, 1, 2], [0, 1, 2], [1, 0, 2]]
     assert lcps.tolist() == [[2, 2, 0], [0, 0, 0], [3, 2, 0]]
 
@@ -176,8 +178,8 @@ def test_results_are_deterministic_and_ordered():
     rows, _, queries, qls = random_case(g, 2000, 8, 3, batch=30)
     index = LCPIndex.build(rows)
     a, b = index.topk(queries, 17, qls), index.topk(queries, 17, qls)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    ids, lcps = a
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.lcps, b.lcps)
+    ids, lcps = a.ids, a.lcps
     assert (lcps[:, :-1] >= lcps[:, 1:]).all()
     ties = lcps[:, :-1] == lcps[:, 1:]
     assert (ids[:, :-1][ties] < ids[:, 1:][ties]).all()
@@ -192,15 +194,15 @@ def test_save_load_roundtrip(tmp_path):
     assert loaded.n == 500 and loaded.length == 10 and loaded.nbytes == index.nbytes
     for k in (1, 7, 600):
         got, want = loaded.topk(queries, k, qls), index.topk(queries, k, qls)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(got.ids, want.ids) and torch.equal(got.lcps, want.lcps)
 
 
 def test_index_memory_is_raw_bytes_plus_o_n():
     rows = torch.randint(0, 256, (200_000, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     index = LCPIndex.build(rows)
     raw = rows.numel()
-    # packed rows (= raw) + int32 ids (4 B/row) + sparse table (< 1.5 B/row at this N)
-    assert raw < index.nbytes <= raw + 6 * rows.shape[0]
+    # packed rows (= raw) + int32 ids (4 B/row) + adjacent LCPs (1 B/row) + smallest-id tree (~10 B/row)
+    assert raw < index.nbytes <= raw + 16 * rows.shape[0]
     assert index.nbytes <= 1.5 * raw
 
 
@@ -216,7 +218,7 @@ def test_cuda_matches_cpu():
         for k in (1, 10, 3500):
             want = cpu.topk(queries, k, qls)
             got = gpu.topk(queries.cuda(), k, qls.cuda())
-            assert got[0].is_cuda
-            assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+            assert got.ids.is_cuda
+            assert torch.equal(got.ids.cpu(), want.ids) and torch.equal(got.lcps.cpu(), want.lcps)
         scan = FullScan.build(rows, built, device="cuda").topk(queries, 10, qls)
-        assert torch.equal(scan[0].cpu(), cpu.topk(queries, 10, qls)[0])
+        assert torch.equal(scan.ids.cpu(), cpu.topk(queries, 10, qls).ids)

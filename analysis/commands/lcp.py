@@ -93,10 +93,10 @@ def _query(args: argparse.Namespace) -> int:
 
     index = LCPIndex.load(args.index, device=args.device)
     queries, lengths = load_rows(args.queries)
-    ids, lcps = index.topk(queries, args.k, lengths)
+    top = index.topk(queries, args.k, lengths)
     out = io.StringIO()
     out.write("query,rank,id,lcp\n")
-    for q, (row_ids, row_lcps) in enumerate(zip(ids.tolist(), lcps.tolist(), strict=True)):
+    for q, (row_ids, row_lcps) in enumerate(zip(top.ids.tolist(), top.lcps.tolist(), strict=True)):
         for rank, (i, lcp) in enumerate(zip(row_ids, row_lcps, strict=True), start=1):
             if i >= 0:
                 out.write(f"{q},{rank},{i},{lcp}\n")
