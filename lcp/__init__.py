@@ -2,7 +2,8 @@
 
     from lcp import LCPIndex
     index = LCPIndex.build(seqs)                  # seqs: integer tensor [N, L]; lengths=[N] optional
-    ids, lcps = index.topk(queries, k=10)         # [B, k] each: LCP descending, ties by smallest id
+    top = index.topk(queries, k=10)               # LCPTopK(lcps, ids), [B, k] each ([k] for a 1-D query):
+    top.lcps, top.ids                             # LCP descending, ties by smallest id
     index.save("rows.lcp"); LCPIndex.load("rows.lcp")
 
 Design, file format and measured results: docs/lcp.md.
@@ -10,5 +11,6 @@ Design, file format and measured results: docs/lcp.md.
 
 from lcp.errors import LCPError
 from lcp.index import LCPIndex
+from lcp.ranking import LCPTopK
 
-__all__ = ["LCPError", "LCPIndex"]
+__all__ = ["LCPError", "LCPIndex", "LCPTopK"]

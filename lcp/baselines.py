@@ -4,21 +4,24 @@
 * `Pairwise` — materialises the whole [queries × rows] LCP matrix at once, as dense-similarity code does;
   it refuses, naming the bytes it would need, when that matrix does not fit the memory budget.
 * `Trie` (lcp/trie.py) — the paper's trie with per-node smallest-id lists, for moderate N.
+* `NumpySorted`, `MarisaTrie` (lcp/bytes_baselines.py) — sorted byte strings in numpy, and marisa-trie.
 
 `METHODS` names every method for the benchmark and the CLI.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from lcp import ranking
+from lcp.bytes_baselines import MarisaTrie, NumpySorted
 from lcp.errors import LCPError
 from lcp.index import LCPIndex, check_k
+from lcp.limits import available_bytes, check_results
+from lcp.ranking import LCPTopK
 from lcp.tokens import (
     TokenFormat,
+    as_batch,
     check_lengths,
     check_rows,
     lead_tokens,
@@ -83,8 +86,11 @@ class FullScan:
 
     def topk(
         self, queries: torch.Tensor, k: int, query_lengths: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> LCPTopK:
         k = check_k(k)
+        queries, query_lengths, single = as_batch(queries, query_lengths)
+        check_rows(queries, "queries")
+        check_results(queries.shape[0], k)
         qw, qlen = prepare_queries(queries, query_lengths, self.fmt, self.words.device)
         b, n = qw.shape[0], self.n
         top = torch.full((b, k), -1, dtype=torch.int64, device=qw.device)
@@ -98,19 +104,15 @@ class FullScan:
                 ids = torch.arange(start, stop, device=qw.device)
                 run = ranking.best(torch.cat([run, ranking.encode(lcp, ids[None, :], n)], 1), k)
             top[s : s + q_chunk] = run
-        return ranking.decode(top, n)
+        got = ranking.decode(top, n)
+        return LCPTopK(got.lcps[0], got.ids[0]) if single else got
 
 
 def memory_budget_bytes(device: torch.device) -> int:
     """What one allocation may take: 90% of free GPU memory, or half of the available host memory."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0] * 0.9)
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-        return info["MemAvailable"] // 2
-    except (OSError, KeyError, ValueError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") // 2
+    return available_bytes() // 2
 
 
 def pairwise_bytes(rows: int, cols: int, length: int) -> int:
@@ -145,7 +147,7 @@ class Pairwise:
 
     def topk(
         self, queries: torch.Tensor, k: int, query_lengths: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> LCPTopK:
         k = check_k(k)
         check_rows(queries, "queries")
         b, n = queries.shape[0], self.scan.n
@@ -171,4 +173,5 @@ class Pairwise:
         return ranking.decode(top, n)
 
 
-METHODS = {"index": LCPIndex, "scan": FullScan, "trie": Trie, "pairwise": Pairwise}
+METHODS = {"index": LCPIndex, "numpy": NumpySorted, "marisa": MarisaTrie, "scan": FullScan, "trie": Trie,
+           "pairwise": Pairwise}  # fmt: skip

@@ -4,9 +4,17 @@ Data: N random byte rows of `length` tokens (seeded). Queries: a random row's fi
 in [0, L]) followed by random tokens, so the answers span every LCP. For each N and method:
 
 * build_s — wall time of `build` (packing only, for the scan and pairwise baselines);
-* p50_ms / p95_ms — per-query latency = (time of one batched `topk` call) / batch, over `repeats` calls;
+* p50_ms / p95_ms — per-query latency = (time of one batched `topk` call) / batch, over `repeats` calls
+  (process CPU time on the CPU, so that other jobs on a shared machine do not count; wall time on CUDA);
 * queries_per_s — batch / median call time; index_bytes — what the method holds (pairwise: plus the
-  [batch × N] matrix it materialises, int16); joules_per_query — from NVML / RAPL counters, else empty.
+  [batch × N] matrix it materialises, int16); joules_per_query — from NVML / RAPL counters, else empty;
+* bytes_per_query — the bytes a query touches (a model: lcp/touched.py; index, numpy and scan only) and
+  bandwidth_share — bytes_per_query / p50 latency / the read bandwidth measured here (lcp/bandwidth.py).
+
+Methods: the index, the numpy sorted baseline, marisa-trie (optional; timed on `marisa_batch`
+queries: one Python walk each), the full scan, the paper's trie and pairwise materialisation.
+`PRESETS["paper"]` is the paper's setting (arXiv 2602.04936): 20M rows of 256 16-bit tokens, top-1.
+The memory a sweep needs is checked against the memory available before any row is generated.
 
 The full scan does O(N) work per query, so it is timed on the first `scan_batch` queries (the CSV's batch
 column says how many). Pairwise materialises the [batch × N] LCP matrix of the whole batch, or refuses
@@ -26,18 +34,27 @@ import numpy as np
 import pandas as pd
 import torch
 
+from lcp import touched
+from lcp.bandwidth import measure_bandwidth
 from lcp.baselines import FullScan, Pairwise, memory_budget_bytes, pairwise_bytes
+from lcp.bytes_baselines import MarisaTrie, NumpySorted
 from lcp.energy import EnergyMeter, open_meter
 from lcp.errors import LCPError
 from lcp.index import LCPIndex
-from lcp.tokens import resolve_device
+from lcp.limits import check_fits
+from lcp.tokens import DTYPE_NAMES, resolve_device, token_format
 from lcp.trie import Trie
 
 COLUMNS = [
     "method", "n", "length", "k", "batch", "build_s", "p50_ms", "p95_ms",
-    "queries_per_s", "index_bytes", "joules_per_query",
+    "queries_per_s", "index_bytes", "joules_per_query", "bytes_per_query", "bandwidth_share",
 ]  # fmt: skip
-METHOD_NAMES = ("index", "scan", "trie", "pairwise")
+METHOD_NAMES = ("index", "numpy", "marisa", "scan", "trie", "pairwise")
+PRESETS: dict[str, dict[str, Any]] = {
+    # arXiv 2602.04936's setting: 20M sequences of 256 16-bit tokens, top-1, p95 latency and energy
+    "paper": {"ns": (20_000_000,), "length": 256, "dtype": "uint16", "k": 1, "methods": ("index", "scan"),
+              "batch": 4096, "scan_batch": 4},
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -46,12 +63,14 @@ class BenchConfig:
 
     ns: tuple[int, ...] = (10_000, 100_000)
     length: int = 32
+    dtype: str = "uint8"  # token dtype of the generated rows
     k: int = 10
     batch: int = 512  # queries per timed call for the index, the trie and pairwise
     scan_batch: int = 8  # queries per timed call for the full scan and pairwise (O(N) each)
     repeats: int = 5  # timed calls per method and N (scan, pairwise: scan_repeats)
     scan_repeats: int = 2
-    methods: tuple[str, ...] = METHOD_NAMES
+    methods: tuple[str, ...] = ("index", "numpy", "scan", "trie", "pairwise")
+    marisa_batch: int = 256  # queries per timed marisa call (a Python walk per query)
     trie_max_n: int = 1_000_000  # the trie holds O(N·L) nodes: skipped above this N
     pairwise_max_n: int = 30_000  # pairwise does batch × N work per call: above this N it runs only to refuse
     pairwise_budget_bytes: int | None = None  # None: half the available memory (90% free on CUDA)
@@ -65,19 +84,43 @@ class BenchConfig:
             raise LCPError(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHOD_NAMES)}")
         if not self.ns or min(self.ns) < 1:
             raise LCPError(f"ns must be positive row counts, got {self.ns}")
-        for name in ("length", "k", "batch", "scan_batch", "repeats", "scan_repeats"):
+        if self.dtype not in DTYPE_NAMES:
+            raise LCPError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+        for name in ("length", "k", "batch", "scan_batch", "repeats", "scan_repeats", "marisa_batch"):
             if getattr(self, name) < 1:
                 raise LCPError(f"{name} must be >= 1, got {getattr(self, name)}")
 
+    def bytes_needed(self) -> int:
+        """Host memory the largest step needs: rows, queries, the index with its build temporaries, results.
 
-def make_data(n: int, length: int, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows [n, length] uint8, queries [batch, length] uint8) with queries sharing random prefixes."""
+        Per row: the tokens (L·b), the packed words twice (build), ~16 bytes of ids, adjacent LCPs and
+        tree, and ~40 bytes of sort temporaries; the trie (when run) ~24 bytes per (row, token).
+        """
+        n, tok = max(self.ns), token_format(DTYPE_NAMES[self.dtype], self.length).bits // 8
+        row = self.length * tok
+        need = n * (3 * row + 64) + self.batch * (row + 48 * min(self.k, n))
+        if "trie" in self.methods and n <= self.trie_max_n:
+            need = max(need, n * (row + 24 * self.length))
+        return need
+
+
+def make_data(
+    n: int, length: int, batch: int, seed: int, dtype: str = "uint8"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [n, length], queries [batch, length]) of random tokens, queries sharing random prefixes."""
+    fmt = token_format(DTYPE_NAMES[dtype], length)
     g = torch.Generator().manual_seed(seed)
-    rows = torch.randint(0, 256, (n, length), dtype=torch.uint8, generator=g)
+    hi = min(1 << fmt.bits, 1 << 62)
+
+    def tokens(shape: tuple[int, ...]) -> torch.Tensor:
+        if fmt.bits == 8:
+            return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(fmt.dtype)
+        return (torch.randint(0, hi, shape, generator=g) + fmt.lo).to(fmt.dtype)
+
+    rows = tokens((n, length))
     src = torch.randint(0, n, (batch,), generator=g)
     keep = torch.randint(0, length + 1, (batch, 1), generator=g) > torch.arange(length)  # (batch, L)
-    noise = torch.randint(0, 256, (batch, length), dtype=torch.uint8, generator=g)
-    return rows, torch.where(keep, rows[src], noise)
+    return rows, torch.where(keep, rows[src], tokens((batch, length)))
 
 
 def _sync(device: torch.device) -> None:
@@ -85,12 +128,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def clock(device: torch.device) -> Callable[[], float]:
+    """CPU time of this process on the CPU (what the work cost, even when other jobs share the cores);
+    wall time around synchronised calls on CUDA."""
+    return time.process_time if device.type == "cpu" else time.perf_counter
+
+
 def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    now = clock(device)
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = now()
     out = fn()
     _sync(device)
-    return out, time.perf_counter() - t0
+    return out, now() - t0
 
 
 def _measure(
@@ -117,6 +167,10 @@ def _measure(
 def _build(name: str, data: torch.Tensor, device: torch.device, k: int, budget: int) -> Any:
     if name == "index":
         return LCPIndex.build(data, device=device)
+    if name == "numpy":
+        return NumpySorted.build(data.cpu())
+    if name == "marisa":
+        return MarisaTrie.build(data.cpu())
     if name == "scan":
         return FullScan.build(data, device=device)
     if name == "trie":
@@ -124,9 +178,9 @@ def _build(name: str, data: torch.Tensor, device: torch.device, k: int, budget: 
     return Pairwise.build(data, device=device, budget_bytes=budget)
 
 
-def _check(name: str, got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor]) -> None:
-    m = ref[0].shape[0]
-    if not (torch.equal(got[0][:m].cpu(), ref[0].cpu()) and torch.equal(got[1][:m].cpu(), ref[1].cpu())):
+def _check(name: str, got: Any, ref: Any) -> None:
+    m = ref.ids.shape[0]
+    if not (torch.equal(got.ids[:m].cpu(), ref.ids.cpu()) and torch.equal(got.lcps[:m].cpu(), ref.lcps.cpu())):
         raise RuntimeError(f"{name} disagrees with the full scan: the benchmark stops rather than report it")
 
 
@@ -136,16 +190,21 @@ def run_bench(cfg: BenchConfig, progress: Callable[[int, int, str], None] | None
     `progress(done, total, what)` is called before each (N, method) step and once more when all are done.
     """
     device = resolve_device(cfg.device, torch.device("cpu"))
+    check_fits(f"--n {max(cfg.ns)} × --length {cfg.length} ({cfg.dtype}) with --batch {cfg.batch}", cfg.bytes_needed())
+    if "marisa" in cfg.methods:
+        MarisaTrie.build(torch.zeros((1, 1), dtype=torch.uint8))  # fails now, in one line, if not installed
+    bandwidth = measure_bandwidth(device)
     meter = open_meter(device)
     budget = cfg.pairwise_budget_bytes or memory_budget_bytes(device)
     rows: list[dict[str, Any]] = []
     total, done = len(cfg.ns) * len(cfg.methods), 0
     for n in sorted(cfg.ns):
-        data, queries = make_data(n, cfg.length, cfg.batch, cfg.seed)
+        data, queries = make_data(n, cfg.length, cfg.batch, cfg.seed, cfg.dtype)
         data, queries = data.to(device), queries.to(device)
         small = queries[: cfg.scan_batch]
-        reference = None
-        for name in sorted(cfg.methods, key=lambda m: m != "scan"):  # the scan first: the reference
+        reference, index_sizes = None, None
+        order = {"scan": 0, "index": 1}  # the scan first (the reference), then the index (tie sizes)
+        for name in sorted(cfg.methods, key=lambda m: order.get(m, 2)):
             base = {"method": name, "n": n, "length": cfg.length, "k": cfg.k}
             if progress:
                 progress(done, total, f"N={n:,} {name}")
@@ -159,7 +218,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[int, int, str], None] | None
                 continue
             build = functools.partial(_build, name, data, device, cfg.k, budget)
             method, build_s = _timed(build, device)
-            timed = small if name == "scan" else queries
+            timed = {"scan": small, "marisa": queries[: max(cfg.marisa_batch, cfg.scan_batch)]}.get(name, queries)
             repeats = cfg.scan_repeats if name in ("scan", "pairwise") else cfg.repeats
             try:
                 out, stats = _measure(method, timed, cfg.k, repeats, device, meter)
@@ -173,10 +232,29 @@ def run_bench(cfg: BenchConfig, progress: Callable[[int, int, str], None] | None
             elif reference is not None:
                 _check(name, out, reference)
             held = method.nbytes + (method.bytes_needed(len(timed)) if name == "pairwise" else 0)
-            rows.append({**base, "batch": len(timed), "build_s": build_s, **stats, "index_bytes": held})
+            moved = _bytes_per_query(name, method, timed, cfg.k, n, index_sizes)
+            if name == "index":
+                at = method.explain(timed, cfg.k)
+                index_sizes = (at.hi - at.lo).cpu()
+            share = moved / (stats["p50_ms"] * 1e-3) / (bandwidth.read_gbps * 1e9) if moved else None
+            rows.append({**base, "batch": len(timed), "build_s": build_s, **stats, "index_bytes": held,
+                         "bytes_per_query": moved, "bandwidth_share": share})  # fmt: skip
             del method
     if progress:
         progress(total, total, "done")
     df = pd.DataFrame(rows, columns=COLUMNS)
     df.attrs["pairwise_budget_bytes"] = budget  # the budget the refusals were judged against
+    df.attrs["bandwidth"] = bandwidth
     return df
+
+
+def _bytes_per_query(name: str, method: Any, queries: torch.Tensor, k: int, n: int, sizes: Any) -> float | None:
+    """The bytes-touched model (lcp/touched.py) for the methods it covers, else None."""
+    if name == "index":
+        return touched.index_bytes(method, queries, k)
+    if name == "scan":
+        return touched.scan_bytes(n, method.fmt.words)
+    if name == "numpy" and sizes is not None:
+        return touched.numpy_bytes(n, method.rows.shape[1], k, sizes[: len(queries)])
+    return None
+

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import operator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from lcp import fileformat, ranking
 from lcp.errors import LCPError
+from lcp.limits import check_results
 from lcp.ranking import LCPTopK
 from lcp.smallest import CAP, SmallestIds, smallest_by_sort, smallest_direct
 from lcp.sort import lex_order
@@ -83,6 +85,20 @@ def _adjacent_lcps(words: torch.Tensor, lengths: torch.Tensor | None, fmt: Token
             lcp = torch.minimum(lcp, torch.minimum(lengths[s:e], lengths[s + 1 : e + 1]).to(torch.int64))
         out[s:e] = lcp
     return out
+
+
+class _Located(NamedTuple):
+    """Where a batch of queries lands: per query, positions are in sorted order."""
+
+    p: torch.Tensor  # insertion point
+    left: torch.Tensor  # [B, k] LCP(q, s_{p-1-i}), -1 past the start
+    right: torch.Tensor  # [B, k] LCP(q, s_{p+i}), -1 past the end
+    d: torch.Tensor  # the k-th largest LCP
+    gt_l: torch.Tensor  # rows above d* left of p
+    gt_r: torch.Tensor  # rows above d* from p on
+    lo: torch.Tensor  # S_{d*} = [lo, hi)
+    hi: torch.Tensor
+    searched: torch.Tensor  # S_{d*} left the window: found by binary search
 
 
 class LCPIndex:
@@ -176,6 +192,7 @@ class LCPIndex:
         """
         k = check_k(k)
         queries, query_lengths, single = as_batch(queries, query_lengths)
+        check_results(queries.shape[0] if isinstance(queries, torch.Tensor) and queries.dim() else 1, k)
         qw, qlen = prepare_queries(queries, query_lengths, self.fmt, self.device)
         b, kk = qw.shape[0], min(k, self.n)
         ids = torch.full((b, k), -1, dtype=torch.int64, device=self.device)
@@ -186,7 +203,16 @@ class LCPIndex:
             ids[s : s + chunk, :kk], lcps[s : s + chunk, :kk] = got.ids, got.lcps
         return LCPTopK(lcps[0], ids[0]) if single else LCPTopK(lcps, ids)
 
-    def _topk(self, qw: torch.Tensor, qlen: torch.Tensor, k: int) -> LCPTopK:
+    def explain(self, queries: torch.Tensor, k: int, query_lengths: torch.Tensor | None = None) -> _Located:
+        """Per query of a batch: insertion point p, k-th LCP d*, the range [lo, hi) of rows sharing it and
+        whether that range had to be searched beyond the window (for the bench's bytes-touched model)."""
+        k = check_k(k)
+        queries, query_lengths, _ = as_batch(queries, query_lengths)
+        qw, qlen = prepare_queries(queries, query_lengths, self.fmt, self.device)
+        return self._locate(qw, qlen, min(k, self.n))
+
+    def _locate(self, qw: torch.Tensor, qlen: torch.Tensor, k: int) -> _Located:
+        """The window, d*, S_{d*+1} = [p - gt_l, p + gt_r) and S_{d*} = [lo, hi) of each query."""
         n, dev, b = self.n, self.device, qw.shape[0]
         full = torch.full_like(qw, -1)  # every token kept
         p = self._search(qw, full, qlen, upper=False)  # (B,) insertion point
@@ -210,6 +236,12 @@ class LCPIndex:
             masks = prefix_masks(d, self.fmt)
             lo = torch.where(out_l, self._search(qw, masks, d, upper=False, active=out_l), lo)
             hi = torch.where(out_r, self._search(qw, masks, d, upper=True, active=out_r), hi)
+        return _Located(p, left, right, d, gt_l, gt_r, lo, hi, out_l | out_r)
+
+    def _topk(self, qw: torch.Tensor, qlen: torch.Tensor, k: int) -> LCPTopK:
+        n, dev, b = self.n, self.device, qw.shape[0]
+        p, left, right, d, gt_l, gt_r, lo, hi, _ = self._locate(qw, qlen, k)
+        t = torch.arange(k, device=dev)
         width, ml, mr = torch.stack([(hi - lo).max(), gt_l.max(), gt_r.max()]).tolist()
         # rows above d*: at most k - 1, ranked by (lcp desc, id asc)
         pos = torch.cat([p[:, None] - 1 - t[:ml], p[:, None] + t[:mr]], 1)  # (B, ml + mr)
@@ -283,10 +315,8 @@ class LCPIndex:
         for _ in range(steps):  # halve [lo, hi] until lo == hi
             mid = (lo + hi) >> 1
             at = mid.clamp(max=n - 1)
-            if qm.shape[1]:
-                c = lex_compare(self.cols[1:, at].t() & masks[:, 1:], qm)  # (B,)
-            else:
-                c = torch.zeros_like(at)
+            rest = self.cols[1:, at].t() & masks[:, 1:]  # (B, W - 1) words after the first
+            c = lex_compare(rest, qm) if qm.shape[1] else torch.zeros_like(at)
             if self.lengths is not None:
                 c = torch.where((c == 0) & (self.lengths[at].to(torch.int64) < short), -1, c)
             right = c <= 0 if upper else c < 0
@@ -320,15 +350,20 @@ class LCPIndex:
         meta, arrays = fileformat.read_index_file(path)
         try:
             if meta.get("kind") != "lcp-index":
-                raise ValueError(f"kind {meta.get('kind')!r} is not 'lcp-index'")
-            n, length, dtype = int(meta["n"]), int(meta["length"]), DTYPE_NAMES[meta["dtype"]]
-            fmt = token_format(dtype, length)
+                raise ValueError(f"kind {str(meta.get('kind'))[:40]!r} is not 'lcp-index'")
+            n = _meta_int(meta, "n", 1, fileformat.MAX_DIM)
+            length = _meta_int(meta, "length", 1, fileformat.MAX_DIM)
+            if not isinstance(meta.get("dtype"), str) or meta["dtype"] not in DTYPE_NAMES:
+                raise ValueError(f"dtype {str(meta.get('dtype'))[:40]!r} is not one of {', '.join(DTYPE_NAMES)}")
+            fmt = token_format(DTYPE_NAMES[meta["dtype"]], length)
             words, ids = arrays["words"], arrays["ids"]
             lengths = arrays.get("lengths")
-            if n < 1 or words.shape != (n, fmt.words) or str(words.dtype) != "int64" or ids.shape != (n,):
+            if words.shape != (n, fmt.words) or str(words.dtype) != "int64" or ids.shape != (n,):
                 raise ValueError(f"array shapes {words.shape}, {ids.shape} do not match n={n}, L={length}")
-            if lengths is not None and lengths.shape != (n,):
-                raise ValueError(f"lengths has shape {lengths.shape}, expected ({n},)")
+            if str(ids.dtype) not in ("int32", "int64"):
+                raise ValueError(f"ids have dtype {ids.dtype}, expected int32 or int64")
+            if lengths is not None and (lengths.shape != (n,) or str(lengths.dtype) != "int32"):
+                raise ValueError(f"lengths has shape {lengths.shape} and dtype {lengths.dtype}, expected ({n},) int32")
         except (KeyError, TypeError, ValueError, LCPError) as exc:
             raise LCPError(f"{path} is not a valid LCP index: {exc}") from None
         dev = resolve_device(device, torch.device("cpu"))
@@ -338,6 +373,14 @@ class LCPIndex:
         if lens is not None:
             lens = lens.to(_length_dtype(length))
         return cls(fmt, w, i.to(torch.int32 if n < 2**31 else torch.int64), lens)
+
+
+def _meta_int(meta: dict, key: str, lo: int, hi: int) -> int:
+    """meta[key] as an integer in [lo, hi]: JSON floats, bools, strings and infinities are refused."""
+    value = meta.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{key} must be an integer in [{lo}, {hi}], got {str(value)[:40]}")
+    return value
 
 
 def _validate(

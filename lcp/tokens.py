@@ -76,7 +76,9 @@ def resolve_device(device: str | torch.device | None, default: torch.device) -> 
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise LCPError(f"unknown device {device!r}: {exc}") from None
+        raise LCPError(f"unknown device {str(device)[:40]!r}: {str(exc)[:80]}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise LCPError(f"device {str(device)[:40]!r} is not supported; use cpu or cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise LCPError(f"device {device!r} requested but CUDA is not available (torch.cuda.is_available() is False)")
     return dev

@@ -16,6 +16,7 @@ import torch
 from lcp import ranking
 from lcp.errors import LCPError
 from lcp.index import check_k
+from lcp.ranking import LCPTopK
 from lcp.tokens import (
     INT64_MIN,
     TokenFormat,
@@ -114,7 +115,7 @@ class Trie:
 
     def topk(
         self, queries: torch.Tensor, k: int, query_lengths: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> LCPTopK:
         k = check_k(k)
         if k > self.k_max:
             raise LCPError(f"this trie keeps {self.k_max} ids per node; rebuild with k_max >= {k}")

@@ -73,7 +73,7 @@ def test_bench_writes_csv_plots_and_refuses_pairwise(tmp_path, capsys):
     df = pd.read_csv(out / "bench.csv")
     assert list(df.columns) == COLUMNS
     assert sorted(zip(df["method"], df["n"], strict=True)) == sorted(
-        (m, n) for m in ("index", "scan", "trie", "pairwise") for n in (300, 2000)
+        (m, n) for m in ("index", "numpy", "scan", "trie", "pairwise") for n in (300, 2000)
     )
     ran = df[df["method"] != "pairwise"]
     assert (ran["p50_ms"] > 0).all() and (ran["p95_ms"] >= ran["p50_ms"]).all() and (ran["build_s"] > 0).all()

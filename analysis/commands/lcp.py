@@ -5,6 +5,7 @@
     pipeplan lcp bench [--n 1e4,1e5] [--batch 512] [--out out/lcp-bench]
     pipeplan lcp bench --n 1e4,1e5,1e6,5e6,2e7 --batch 4096 --scan-batch 4 --pairwise-max-n 1e5 --threads 1 \
         --out out/lcp-20m    # the N = 20M run of docs/lcp.md
+    pipeplan lcp bench --preset paper --device cuda --out out/lcp-paper   # 20M × 256 uint16 tokens, top-1
 
 Inputs: .npy (2-D integer array), .pt (tensor or {"seqs", "lengths"}), or text (one sequence per line).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
 import time
 
 HELP = "exact top-k longest-common-prefix retrieval: build, query and benchmark an LCP index"
@@ -23,14 +25,31 @@ def _count(text: str) -> int:
     try:
         value = float(text.replace("_", ""))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value != int(value) or value < 1:
-        raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
+        raise argparse.ArgumentTypeError(f"not a number: {text[:40]!r}") from None
+    if not math.isfinite(value) or value != int(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive whole number: {text[:40]!r}")
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text[:40]} is more than {MAX_COUNT:,}")
     return int(value)
 
 
 def _counts(text: str) -> tuple[int, ...]:
     return tuple(_count(part) for part in text.split(",") if part.strip())
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text[:40]!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive finite number of GiB: {text[:40]!r}")
+    return value
+
+
+MAX_LENGTH = 1 << 16  # tokens per generated row: far beyond the paper's 256
+MAX_COUNT = 1 << 40  # any row count, batch or k beyond this is a typo (and is refused before allocation)
+PRESET_NAMES = ("paper",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,19 +67,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="CSV to write (query,rank,id,lcp); default: print to stdout")
 
     p = sub.add_parser("bench", help="latency, memory and energy vs N", description="Benchmark sweep.")
-    p.add_argument("--n", type=_counts, default=(10_000, 100_000), help="row counts, e.g. 1e4,1e5,2e7")
-    p.add_argument("--length", type=_count, default=32, help="tokens (bytes) per row (default: 32)")
-    p.add_argument("-k", "--k", type=_count, default=10, help="results per query (default: 10)")
-    p.add_argument("--batch", type=_count, default=512, help="queries per timed call (default: 512)")
-    p.add_argument("--scan-batch", type=_count, default=8, help="queries per full-scan call (default: 8)")
-    p.add_argument("--repeats", type=_count, default=5, help="timed calls per method (default: 5)")
-    p.add_argument("--scan-repeats", type=_count, default=2, help="timed scan/pairwise calls (default: 2)")
-    p.add_argument("--methods", default="index,scan,trie,pairwise", help="comma list (default: all four)")
-    p.add_argument("--trie-max-n", type=_count, default=1_000_000, help="skip the trie above this N")
-    p.add_argument("--pairwise-max-n", type=_count, default=30_000, help="run pairwise above this N only to refuse")
-    p.add_argument("--pairwise-budget-gib", type=float, help="pairwise memory budget (default: half of free)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--preset", choices=sorted(PRESET_NAMES), help="a named setting; other flags override it")
+    p.add_argument("--n", type=_counts, help="row counts, e.g. 1e4,1e5,2e7 (default: 1e4,1e5)")
+    p.add_argument("--length", type=_count, help=f"tokens per row (default: 32; at most {MAX_LENGTH})")
+    p.add_argument("--dtype", help="token dtype of the generated rows (default: uint8)")
+    p.add_argument("-k", "--k", type=_count, help="results per query (default: 10)")
+    p.add_argument("--batch", type=_count, help="queries per timed call (default: 512)")
+    p.add_argument("--scan-batch", type=_count, help="queries per full-scan call (default: 8)")
+    p.add_argument("--marisa-batch", type=_count, help="queries per marisa-trie call (default: 256)")
+    p.add_argument("--repeats", type=_count, help="timed calls per method (default: 5)")
+    p.add_argument("--scan-repeats", type=_count, help="timed scan/pairwise calls (default: 2)")
+    p.add_argument("--methods", help="comma list of index,numpy,marisa,scan,trie,pairwise "
+                   "(default: all but marisa)")  # fmt: skip
+    p.add_argument("--trie-max-n", type=_count, help="skip the trie above this N (default: 1e6)")
+    p.add_argument("--pairwise-max-n", type=_count, help="run pairwise above this N only to refuse (default: 3e4)")
+    p.add_argument("--pairwise-budget-gib", type=_gib, help="pairwise memory budget (default: half of free)")
+    p.add_argument("--device", help="cpu or cuda (default: cpu)")
+    p.add_argument("--threads", type=_count, help="torch CPU threads, >= 1 (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="data seed (default: 0)")
     p.add_argument("--out", default="out/lcp-bench", help="output folder (default: out/lcp-bench)")
 
@@ -109,6 +132,7 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    import dataclasses
     import json
 
     import torch
@@ -116,18 +140,25 @@ def _bench(args: argparse.Namespace) -> int:
 
     from analysis.lcp_plots import plot_latency, plot_memory
     from common.io import staged_output
-    from lcp.bench import BenchConfig, run_bench
+    from lcp.bench import PRESETS, BenchConfig, run_bench
+    from lcp.errors import LCPError
 
+    defaults = {f.name: f.default for f in dataclasses.fields(BenchConfig) if f.name != "notes"}
+    chosen = {**defaults, **(PRESETS[args.preset] if args.preset else {})}
+    given = {
+        "ns": args.n, "length": args.length, "dtype": args.dtype, "k": args.k, "batch": args.batch,
+        "scan_batch": args.scan_batch, "marisa_batch": args.marisa_batch, "repeats": args.repeats,
+        "scan_repeats": args.scan_repeats, "trie_max_n": args.trie_max_n, "pairwise_max_n": args.pairwise_max_n,
+        "device": args.device, "seed": args.seed,
+        "methods": tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods else None,
+        "pairwise_budget_bytes": int(args.pairwise_budget_gib * 2**30) if args.pairwise_budget_gib else None,
+    }  # fmt: skip
+    chosen.update({key: value for key, value in given.items() if value is not None})
+    if chosen["length"] > MAX_LENGTH:
+        raise LCPError(f"--length {chosen['length']} is more than {MAX_LENGTH} tokens")
+    cfg = BenchConfig(**chosen)
     if args.threads:
         torch.set_num_threads(args.threads)
-    budget = int(args.pairwise_budget_gib * 2**30) if args.pairwise_budget_gib else None
-    cfg = BenchConfig(
-        ns=args.n, length=args.length, k=args.k, batch=args.batch, scan_batch=args.scan_batch,
-        repeats=args.repeats, scan_repeats=args.scan_repeats,
-        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
-        trie_max_n=args.trie_max_n, pairwise_max_n=args.pairwise_max_n, pairwise_budget_bytes=budget,
-        device=args.device, seed=args.seed,
-    )  # fmt: skip
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
     with Progress(*columns, TimeElapsedColumn()) as bar:
         task = bar.add_task("lcp bench", total=len(cfg.ns) * len(cfg.methods))
@@ -143,10 +174,14 @@ def _bench(args: argparse.Namespace) -> int:
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "pairwise_budget_bytes": budget_bytes,
+            "bandwidth": dataclasses.asdict(df.attrs["bandwidth"]),
             "notes": cfg.notes,
         }
         (stage / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    bw = df.attrs["bandwidth"]
     print(df.to_string(index=False))
+    print(f"measured bandwidth ({cfg.device}, {torch.get_num_threads()} threads): read {bw.read_gbps:.2f} GB/s, "
+          f"copy {bw.copy_gbps:.2f} GB/s")  # fmt: skip
     for note in cfg.notes:
         print(f"note: {note}")
     print(f"wrote {args.out}/: bench.csv latency.png memory.png meta.json")

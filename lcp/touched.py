@@ -1,0 +1,68 @@
+"""Bytes a query touches in memory, as a model: cache lines of 64 bytes the algorithm must bring in.
+
+Not a hardware counter (none is readable in this VM): each method's reads are counted from what it
+does per query, with the per-query ranges the index reports (`LCPIndex.explain`), so that latency can be
+set against the measured bandwidth (lcp/bandwidth.py). A binary search over an array of N entries costs
+ceil(log2 N) - 2 lines (its last probes share a line); a contiguous run of b bytes costs ceil(b/64) + 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lcp.index import LCPIndex
+from lcp.smallest import BLOCK
+
+LINE = 64
+
+
+def _run(nbytes: torch.Tensor | float) -> torch.Tensor | float:
+    """Lines of a contiguous run of `nbytes` bytes at an arbitrary offset."""
+    if isinstance(nbytes, torch.Tensor):
+        return torch.where(nbytes > 0, torch.ceil(nbytes / LINE) + 1, 0)
+    return math.ceil(nbytes / LINE) + 1 if nbytes > 0 else 0
+
+
+def _search(n: int) -> int:
+    return max(1, math.ceil(math.log2(max(n, 2))) - 2)
+
+
+def index_bytes(index: LCPIndex, queries: torch.Tensor, k: int) -> float:
+    """Mean bytes per query for LCPIndex.topk(queries, k)."""
+    n, w, kk = index.n, index.fmt.words, min(k, index.n)
+    at = index.explain(queries, kk)
+    size = (at.hi - at.lo).double().cpu()
+    lines = _search(n) + 2 * w + 2 * _run((kk - 1) * index.adj.element_size())  # insertion, 2 rows, window
+    lines = lines + at.searched.double().cpu() * 2 * _search(n)  # S_{d*} bounds beyond the window
+    lines = lines + _run((at.gt_l + at.gt_r).double().cpu() * index.ids.element_size())  # ids of S_{d*+1}
+    tree = torch.full_like(size, float(2 * _run((BLOCK - 1) * 4)))  # the tree: two partial blocks
+    levels = torch.floor(torch.log2(torch.clamp(size / BLOCK, min=1))).long() + 1
+    span = BLOCK
+    for j, level in enumerate(index.tree.levels[: int(levels.max()) if len(levels) else 0]):
+        used = (levels > j).double()
+        if level is None:
+            cost = 2 * _run(BLOCK * 4)
+        else:
+            m = min(kk, level.shape[1])
+            cost = 2 * _run(m * level.element_size())
+            if not index.tree.holds_ids[j]:  # offsets: ids gathered within the node's span
+                cost += 2 * min(m, span * 4 // LINE)
+        tree += used * cost
+        span *= 2
+    direct = _run(size * index.ids.element_size())
+    return float((lines + torch.minimum(direct, tree)).mean()) * LINE
+
+
+def numpy_bytes(n: int, row_bytes: int, k: int, tie_sizes: torch.Tensor) -> float:
+    """Mean bytes per query for NumpySorted: three searches, 2k rows and ids, the tie range's ids."""
+    kk = min(k, n)
+    per_probe = _run(row_bytes) - 1
+    lines = 3 * _search(n) * per_probe + _run(2 * kk * row_bytes) + _run(2 * kk * 8)
+    return float((lines + _run(tie_sizes.double() * 8)).mean()) * LINE
+
+
+def scan_bytes(n: int, words: int) -> float:
+    """The full scan reads every packed row (word 0 of all, more words for the few rows that tie)."""
+    return float(n * words * 8)
