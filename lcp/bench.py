@@ -64,6 +64,7 @@ class BenchConfig:
     ns: tuple[int, ...] = (10_000, 100_000)
     length: int = 32
     dtype: str = "uint8"  # token dtype of the generated rows
+    rows: str = "random"  # "identical": every row equal (one tie set of N rows: the worst case)
     k: int = 10
     batch: int = 512  # queries per timed call for the index, the trie and pairwise
     scan_batch: int = 8  # queries per timed call for the full scan and pairwise (O(N) each)
@@ -84,6 +85,8 @@ class BenchConfig:
             raise LCPError(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHOD_NAMES)}")
         if not self.ns or min(self.ns) < 1:
             raise LCPError(f"ns must be positive row counts, got {self.ns}")
+        if self.rows not in ("random", "identical"):
+            raise LCPError(f"rows must be 'random' or 'identical', got {self.rows!r}")
         if self.dtype not in DTYPE_NAMES:
             raise LCPError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
         for name in ("length", "k", "batch", "scan_batch", "repeats", "scan_repeats", "marisa_batch"):
@@ -105,9 +108,12 @@ class BenchConfig:
 
 
 def make_data(
-    n: int, length: int, batch: int, seed: int, dtype: str = "uint8"
+    n: int, length: int, batch: int, seed: int, dtype: str = "uint8", identical: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows [n, length], queries [batch, length]) of random tokens, queries sharing random prefixes."""
+    """(rows [n, length], queries [batch, length]) of random tokens, queries sharing random prefixes.
+
+    identical: every row is row 0, so every query ties with all N rows at its LCP (the worst case).
+    """
     fmt = token_format(DTYPE_NAMES[dtype], length)
     g = torch.Generator().manual_seed(seed)
     hi = min(1 << fmt.bits, 1 << 62)
@@ -118,6 +124,8 @@ def make_data(
         return (torch.randint(0, hi, shape, generator=g) + fmt.lo).to(fmt.dtype)
 
     rows = tokens((n, length))
+    if identical:
+        rows = rows[:1].expand(n, length).contiguous()
     src = torch.randint(0, n, (batch,), generator=g)
     keep = torch.randint(0, length + 1, (batch, 1), generator=g) > torch.arange(length)  # (batch, L)
     return rows, torch.where(keep, rows[src], tokens((batch, length)))
@@ -199,7 +207,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[int, int, str], None] | None
     rows: list[dict[str, Any]] = []
     total, done = len(cfg.ns) * len(cfg.methods), 0
     for n in sorted(cfg.ns):
-        data, queries = make_data(n, cfg.length, cfg.batch, cfg.seed, cfg.dtype)
+        data, queries = make_data(n, cfg.length, cfg.batch, cfg.seed, cfg.dtype, cfg.rows == "identical")
         data, queries = data.to(device), queries.to(device)
         small = queries[: cfg.scan_batch]
         reference, index_sizes = None, None

@@ -95,6 +95,15 @@ def test_bench_writes_csv_plots_and_refuses_pairwise(tmp_path, capsys):
         (["lcp", "query", "{tmp}/junk.lcp", "--queries", "{tmp}/empty.txt"], "bad magic"),
         (["lcp", "query", "{tmp}/good.lcp", "--queries", "{tmp}/q.npy", "-k", "0"], "k must be a positive"),
         (["lcp", "bench", "--methods", "index,magic", "--out", "{tmp}/b"], "unknown methods"),
+        (["lcp", "query", "/dev/zero", "--queries", "{tmp}/q.npy"], "not a regular file"),
+        (["lcp", "query", "{tmp}/good.lcp", "--queries", "/dev/zero"], "not a regular file"),
+        (["lcp", "query", "{tmp}/good.lcp", "--queries", "{tmp}/q.npy", "-k", "1000000000000"], "k = 1000000000000"),
+        (["lcp", "query", "{tmp}/good.lcp", "--queries", "{tmp}/q.npy", "--device", "meta"], "'meta' is not supp"),
+        (["lcp", "build", "--input", "{tmp}/q.npy", "--out", "{tmp}/y.lcp", "--device", "meta"], "'meta' is not"),
+        (["lcp", "bench", "--n", "1e12", "--out", "{tmp}/b"], "--n 1000000000000 × --length 32"),
+        (["lcp", "bench", "--length", "1e9", "--out", "{tmp}/b"], "--length 1000000000 is more than"),
+        (["lcp", "bench", "--batch", "1e11", "--out", "{tmp}/b"], "--batch 100000000000"),
+        (["lcp", "bench", "--device", "meta", "--n", "100", "--out", "{tmp}/b"], "'meta' is not supported"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_loses_nothing(tmp_path, rows_npy, capsys, argv, message):
@@ -112,3 +121,36 @@ def test_bad_input_is_one_line_exit_2_and_loses_nothing(tmp_path, rows_npy, caps
     assert err.count("\n") == 1 and err.startswith("pipeplan lcp: error:") and message in err
     assert (tmp_path / "x.lcp").read_bytes() == before
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["lcp", "bench", "--threads", "-1"], "--threads: not a positive whole number"),
+        (["lcp", "bench", "--threads", "0"], "--threads: not a positive whole number"),
+        (["lcp", "bench", "--n", "1e99"], "--n: 1e99 is more than"),
+        (["lcp", "bench", "--pairwise-budget-gib", "nan"], "not a positive finite number"),
+    ],
+)
+def test_bad_flags_are_refused_in_one_line(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--out", str(tmp_path / "b")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+    assert not (tmp_path / "b").exists()
+
+
+def test_paper_preset_refuses_what_does_not_fit_or_runs_reduced(tmp_path, capsys, monkeypatch):
+    import lcp.limits
+
+    monkeypatch.setattr(lcp.limits, "available_bytes", lambda: 8 << 30)  # an 8 GiB machine
+    assert main(["lcp", "bench", "--preset", "paper", "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err
+    assert "--n 20000000 × --length 256 (uint16)" in err and err.count("\n") == 1
+    monkeypatch.undo()
+    argv = ["lcp", "bench", "--preset", "paper", "--n", "2000", "--batch", "16", "--repeats", "1",
+            "--scan-repeats", "1", "--out", str(tmp_path / "p")]  # fmt: skip
+    assert main(argv) == 0
+    df = pd.read_csv(tmp_path / "p" / "bench.csv")
+    assert set(df["method"]) == {"index", "scan"} and set(df["k"]) == {1} and set(df["length"]) == {256}

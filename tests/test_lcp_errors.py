@@ -12,6 +12,7 @@ import torch
 from lcp import LCPError, LCPIndex
 from lcp.baselines import FullScan, Pairwise
 from lcp.fileformat import MAGIC, write_index_file
+from lcp.inputs import load_rows
 from lcp.trie import Trie
 
 ROWS = torch.tensor([[1, 2, 3], [1, 2, 4], [9, 9, 9]], dtype=torch.uint8)
@@ -169,3 +170,53 @@ def test_unknown_or_absent_device():
         for method in (LCPIndex, FullScan, Trie):
             with pytest.raises(LCPError, match="CUDA is not available"):
                 method.build(ROWS, device="cuda")
+
+
+def _sealed(meta_json: bytes, payload: bytes = b"") -> bytes:
+    """An index file with a valid checksum around any header."""
+    digest = hashlib.sha256(meta_json + payload).digest()
+    return MAGIC + struct.pack("<IIQ", 1, len(meta_json), len(payload)) + digest + meta_json + payload
+
+
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        (b'{"meta": [1, 2], "arrays": {}}', "malformed header"),
+        (b"[]", "malformed header"),
+        (b'{"meta": {"kind": "lcp-index", "n": Infinity, "length": 3, "dtype": "uint8"}, "arrays": {}}', "n must"),
+        (b'{"meta": {"kind": "lcp-index", "n": 3.0, "length": 3, "dtype": "uint8"}, "arrays": {}}', "n must"),
+        (b'{"meta": {}, "arrays": {"words": {"dtype": "int64", "shape": [1e308, 1], "offset": 0}}}', "array axis"),
+        (b'{"meta": {}, "arrays": {"words": {"dtype": "int64", "shape": [4294967296, 4294967296], "offset": 0}}}',
+         "runs past the payload"),
+        (b'{"meta": {}, "arrays": {"words": {"dtype": "int64", "shape": [1], "offset": -8}}}', "array offset"),
+        (b"[" * 100_000 + b"]" * 100_000, "header"),
+        (b'{"meta": {"kind": "lcp-index", "n": 1, "length": 1, "dtype": ["uint8"]}, "arrays": {}}', "dtype"),
+    ],
+)
+def test_forged_headers_with_valid_checksums_are_refused(tmp_path, header, message):
+    path = tmp_path / "forged.lcp"
+    path.write_bytes(_sealed(header))
+    with pytest.raises(LCPError, match=message):
+        LCPIndex.load(path)
+
+
+def test_devices_and_pipes_are_never_read_whole(tmp_path):
+    with pytest.raises(LCPError, match="not a regular file"):
+        LCPIndex.load("/dev/zero")
+    with pytest.raises(LCPError, match="not a regular file"):
+        load_rows("/dev/zero")
+
+
+def test_pickles_that_weights_only_refuses_are_one_line(tmp_path):
+    path = tmp_path / "evil.pt"
+    torch.save({"seqs": ROWS, "why": os.getcwd}, path)  # a function: weights_only=True refuses it
+    with pytest.raises(LCPError, match="cannot read") as info:
+        load_rows(path)
+    assert "\n" not in str(info.value) and len(str(info.value)) < 300
+
+
+def test_meta_device_and_huge_k_are_refused_before_work(index):
+    with pytest.raises(LCPError, match="device 'meta' is not supported"):
+        LCPIndex.build(ROWS, device="meta")
+    with pytest.raises(LCPError, match=r"k = 1000000000000 for 3 queries .* needs about"):
+        index.topk(ROWS, 10**12)
