@@ -13,7 +13,7 @@ import pandas as pd
 
 from lcp.baselines import pairwise_bytes
 
-_STYLE = {"index": "o-", "scan": "s-", "trie": "^-", "pairwise": "x-"}
+_STYLE = {"index": "o-", "numpy": "d-", "marisa": "v-", "scan": "s-", "trie": "^-", "pairwise": "x-"}
 
 
 def plot_latency(df: pd.DataFrame, path: str | Path) -> None:

@@ -116,12 +116,11 @@ def make_data(
     """
     fmt = token_format(DTYPE_NAMES[dtype], length)
     g = torch.Generator().manual_seed(seed)
-    hi = min(1 << fmt.bits, 1 << 62)
 
-    def tokens(shape: tuple[int, ...]) -> torch.Tensor:
-        if fmt.bits == 8:
-            return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(fmt.dtype)
-        return (torch.randint(0, hi, shape, generator=g) + fmt.lo).to(fmt.dtype)
+    def tokens(shape: tuple[int, int]) -> torch.Tensor:
+        """Uniform tokens over the whole dtype: random bytes, reinterpreted (no int64 temporary)."""
+        raw = torch.randint(0, 256, (shape[0], shape[1] * (fmt.bits // 8)), dtype=torch.uint8, generator=g)
+        return raw.to(fmt.dtype) if fmt.bits == 8 else raw.view(fmt.dtype)
 
     rows = tokens((n, length))
     if identical:

@@ -53,6 +53,7 @@ from lcp.tokens import (
 )
 
 _NONE = torch.iinfo(torch.int64).max  # an id no row has
+WINDOW_EXTRA = 32  # window rows read beyond k on each side (bytes of `adj`): spares most range searches
 _ELEMS = 1 << 21  # (query, window column) pairs per chunk of the batch: bounds every temporary
 
 
@@ -218,7 +219,8 @@ class LCPIndex:
         p = self._search(qw, full, qlen, upper=False)  # (B,) insertion point
         ends = torch.stack([p - 1, p], 1)  # (B, 2) the two neighbours of q
         edge = self._lcp_at(ends.clamp(0, n - 1), qw, qlen).masked_fill((ends < 0) | (ends >= n), -1)
-        t = torch.arange(k, device=dev)
+        kw = min(k + WINDOW_EXTRA, n)  # a little wider than k: most tie ranges end inside it
+        t = torch.arange(kw, device=dev)
         last = self.adj.shape[0] - 1
         # left[i] = LCP(q, s_{p-1-i}), right[i] = LCP(q, s_{p+i}): running minima of adjacent LCPs
         left_adj = self.adj[(p[:, None] - 2 - t[:-1]).clamp(0, last)].to(torch.int64)
@@ -227,15 +229,17 @@ class LCPIndex:
         right = torch.cat([edge[:, 1:], right_adj], 1).cummin(1).values.masked_fill(p[:, None] + t >= n, -1)
         # d* = k-th largest of two non-increasing lists = max over splits i of min(left[i-1], right[k-i-1])
         top = torch.full((b, 1), self.length + 1, dtype=torch.int64, device=dev)
-        d = torch.minimum(torch.cat([top, left], 1), torch.cat([top, right], 1).flip(1)).amax(1)  # (B,)
+        d = torch.minimum(torch.cat([top, left[:, :k]], 1), torch.cat([top, right[:, :k]], 1).flip(1)).amax(1)
         gt_l, gt_r = (left > d[:, None]).sum(1), (right > d[:, None]).sum(1)  # S_{d*+1} = [p-gt_l, p+gt_r)
         ge_l, ge_r = (left >= d[:, None]).sum(1), (right >= d[:, None]).sum(1)
         lo, hi = p - ge_l, p + ge_r  # S_{d*} when it ends inside the window
-        out_l, out_r = (ge_l == k) & (p - k > 0), (ge_r == k) & (p + k < n)  # it may not
-        if bool((out_l | out_r).any()):
-            masks = prefix_masks(d, self.fmt)
-            lo = torch.where(out_l, self._search(qw, masks, d, upper=False, active=out_l), lo)
-            hi = torch.where(out_r, self._search(qw, masks, d, upper=True, active=out_r), hi)
+        out_l, out_r = (ge_l == kw) & (p - kw > 0), (ge_r == kw) & (p + kw < n)  # it may not
+        out = (out_l | out_r).nonzero().squeeze(1)
+        if out.numel():  # binary search for the queries whose range leaves the window, only
+            dd, qo = d[out], qw[out]
+            masks = prefix_masks(dd, self.fmt)
+            lo[out] = torch.where(out_l[out], self._search(qo, masks, dd, upper=False, active=out_l[out]), lo[out])
+            hi[out] = torch.where(out_r[out], self._search(qo, masks, dd, upper=True, active=out_r[out]), hi[out])
         return _Located(p, left, right, d, gt_l, gt_r, lo, hi, out_l | out_r)
 
     def _topk(self, qw: torch.Tensor, qlen: torch.Tensor, k: int) -> LCPTopK:
@@ -326,14 +330,32 @@ class LCPIndex:
         return lo
 
     def _smallest(self, lo: torch.Tensor, hi: torch.Tensor, count: int, width: int) -> torch.Tensor:
-        """Ids [B, count]: the `count` smallest ids in [lo, hi), ascending, -1 pads (width >= every hi - lo)."""
+        """Ids [B, count]: the `count` smallest ids in [lo, hi), ascending, -1 pads (width >= every hi - lo).
+
+        Ranges no wider than the tree's columns (or `direct_cap`) are read directly, grouped by size to
+        powers of two so that a few wide ranges do not widen the whole batch; the rest use the tree
+        (count <= CAP) or a segmented sort (count > CAP).
+        """
         levels = (width // 64).bit_length()
-        cap = self.tree.columns(count, levels) if self.direct_cap is None else self.direct_cap
-        if width <= max(count, cap):
-            return smallest_direct(self.ids, lo, hi, count, width)
-        if count > CAP:
-            return smallest_by_sort(self.ids, lo, hi, count)
-        return self.tree.smallest(lo, hi, count, levels)
+        cap = max(count, self.tree.columns(count, levels) if self.direct_cap is None else self.direct_cap)
+        size = hi - lo
+        wide = size > cap
+        bucket = torch.where(wide, -1, torch.ceil(torch.log2(size.clamp(min=1).double())).long())
+        groups = torch.unique(bucket).tolist()
+        out = torch.full((lo.shape[0], count), -1, dtype=torch.int64, device=lo.device)
+        for bits in groups:
+            rows = None if len(groups) == 1 else (bucket == bits).nonzero().squeeze(1)
+            a, b = (lo, hi) if rows is None else (lo[rows], hi[rows])
+            if bits >= 0:
+                got = smallest_direct(self.ids, a, b, count, min(1 << bits, width))
+            elif count > CAP:
+                got = smallest_by_sort(self.ids, a, b, count)
+            else:
+                got = self.tree.smallest(a, b, count, levels)
+            if rows is None:
+                return got
+            out[rows] = got
+        return out
 
     # ---- persistence --------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
