@@ -17,10 +17,10 @@ k rows) plus the k - |S_{d*+1}| smallest ids of S_{d*} \\ S_{d*+1} (all at LCP d
 
 Cost per query: two `searchsorted` calls on the first words plus refinement steps only where first words
 tie, O(k) for the window and O(k log(R/k) + 64) for the tie-break. Host syncs per batch chunk (matter on
-CUDA): at most four — the refinement step counts of two searches, whether any range leaves its window,
-and one read of the widths that size the gathers. Memory: the packed rows (raw bytes rounded up to whole
-words), int32 ids, lengths if they vary, N adjacent LCPs (1 byte each for L < 256) and the tree (about
-9 bytes per row).
+CUDA): five in the common case (refinement steps of the insertion point, which ranges leave the window,
+the gather widths, the tie ranges' size classes), two to four more when ranges must be searched.
+Memory: the packed rows (raw bytes rounded up to whole words), int32 ids, lengths if they vary, N
+adjacent LCPs (1 byte each for L < 256) and the tree (about 10 bytes per row).
 """
 
 from __future__ import annotations
