@@ -5,16 +5,18 @@ may hold anything from a few rows to all N (duplicates, tiny alphabets). `Smalle
 `count` smallest ids in [lo, hi)" for a whole batch with a fixed number of tensor ops, whatever the range:
 
 * a *truncated merge-sort tree* over blocks of BLOCK = 64 positions: a node at level j covers
-  64·2^j aligned positions and keeps its first min(64·2^j, CAP) positions in ascending id order (stored
-  as offsets inside the node, in the narrowest integer type that holds them);
+  64·2^j aligned positions and keeps its first min(64·2^j, CAP) ids in ascending order — as offsets
+  inside the node (1 byte up to 256 positions, 2 up to 1,024: the ids are then read within a span of
+  <= 4 KB) or, for larger nodes, as the ids themselves (a random read per entry would miss the cache);
+  a single block (level 0) is read directly;
 * [lo, hi) is cut into two partial blocks (at most 63 positions each, read directly) and at most two
   whole nodes per level (the usual bottom-up segment-tree decomposition). The `count` smallest ids of the
   range are among the two partial blocks and the first min(count, stored) entries of every node, so one
   gather and one `topk` over 126 + sum_j 2·min(count, 64·2^j) columns answer every query of the batch.
 
-Cost per query for count <= CAP: O(count · log2(R / count) + 64) elements, R = hi - lo — independent of
-how many rows tie. Memory: levels with nodes of <= CAP positions hold every position once (1 byte each
-up to 256-position nodes, 2 bytes up to 32,768), larger ones CAP per node: about 9 bytes per row in all.
+Cost per query for count <= CAP: O(count · log2(R / count) + 126) elements, R = hi - lo — independent of
+how many rows tie. Memory: about 10 bytes per row (levels of 128 and 256 positions 1 byte per row each,
+512 and 1,024 2 bytes each, all larger levels together <= CAP int32 ids per node, ~4 bytes per row).
 count > CAP (k > 1024) falls back to sorting the ids of the range itself (`smallest_by_sort`), chunked
 so that no call holds more than a few million elements: O(R log R) per query.
 """
