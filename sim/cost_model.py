@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim.activations import DTYPE_BYTES, layer_memory, sequence_divisor
+from sim.chunk_detail import ChunkDetail
 from sim.comm import build_links, p2p_link, tp_link
 from sim.config import Scenario
-from sim.chunk_detail import ChunkDetail
-from sim.data_parallel import StepTail, step_tail
+from sim.data_parallel import StepTail, effective_zero, step_tail
 from sim.layer_ops import LayerTimes, head_times, layer_flops, layer_times
 from sim.layer_split import layers_per_chunk
 from sim.overheads import loss_transient_bytes, runtime_bytes
@@ -114,10 +114,6 @@ def state_bytes_per_param(sc: Scenario) -> dict[str, float]:
     return parts
 
 
-def effective_zero(sc: Scenario) -> int:
-    return max(sc.parallel.zero, 1 if sc.training.distributed_optimizer else 0)
-
-
 def bytes_per_param(sc: Scenario) -> float:
     return sum(state_bytes_per_param(sc).values())
 
@@ -194,7 +190,7 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     frag = 1.0 / (1.0 - sc.memory.fragmentation)
     states = {k: params * per for k, per in state_bytes_per_param(sc).items()}
     n_ranks = sc.pipeline.stages
-    states["runtime"] = np.full(chunks, runtime_bytes(sc, dev, lc) / sc.pipeline.virtual_stages)
+    states["runtime"] = np.full(chunks, runtime_bytes(sc, dev, lc.params) / sc.pipeline.virtual_stages)
     transient = np.zeros(chunks)
     transient[-1] = loss_transient_bytes(sc)
     tail = step_tail(sc, spec, links, params, bwi + bww, n_ranks)

@@ -45,10 +45,13 @@ class StepTail:
     transient_bytes_per_chunk: np.ndarray  # HBM the step allocates while it runs
 
 
+def effective_zero(sc: Scenario) -> int:
+    """The ZeRO stage in force: parallel.zero, or 1 for training.distributed_optimizer."""
+    return max(sc.parallel.zero, 1 if sc.training.distributed_optimizer else 0)
+
+
 def step_tail(sc: Scenario, dev: DeviceSpec, links: Links, params: np.ndarray, backward_s: np.ndarray,
               n_ranks: int) -> StepTail:
-    from sim.cost_model import effective_zero
-
     p = sc.pipeline.stages
     chunk_rank = np.arange(len(params)) % p  # loop placement; V placement has the same per-rank sums for v = 2
     p_rank = np.zeros(n_ranks)

@@ -18,13 +18,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from sim.activations import DTYPE_BYTES
 from sim.config import Scenario
-
-if TYPE_CHECKING:
-    from sim.cost_model import LayerCosts
+from sim.data_parallel import effective_zero
 
 MIB = 2**20
 NCCL_BUFFSIZE_BYTES = 4 * MIB  # NCCL_BUFFSIZE default
@@ -39,10 +35,9 @@ def nccl_communicators(sc: Scenario) -> int:
     return int(sc.parallel.tp > 1) + (2 if p > 2 else int(p > 1)) + int(sc.parallel.dp > 1)
 
 
-def runtime_bytes(sc: Scenario, dev: dict[str, float], layer: LayerCosts) -> float:
-    """Per rank: context, workspaces, communication buffers and ZeRO-2/3 working buffers."""
-    from sim.cost_model import effective_zero
-
+def runtime_bytes(sc: Scenario, dev: dict[str, float], layer_params: float) -> float:
+    """Per rank: context, workspaces, communication buffers and ZeRO-2/3 working buffers (`layer_params`: one
+    layer's parameters on this TP rank)."""
     total = 0.0
     if sc.memory.runtime_overheads:
         total += dev["cuda_context_mib"] * MIB + CUBLAS_STREAMS * dev["cublas_workspace_mib"] * MIB
@@ -52,7 +47,7 @@ def runtime_bytes(sc: Scenario, dev: dict[str, float], layer: LayerCosts) -> flo
     if zero >= 2 and dp > 1:
         total += 4 * max(BUCKET_PARAMS, 1_000_000 * dp)
     if zero == 3 and dp > 1:
-        total += 2 * e * layer.params + 4 * layer.params
+        total += 2 * e * layer_params + 4 * layer_params
     return total
 
 
