@@ -50,10 +50,22 @@ def effective_zero(sc: Scenario) -> int:
     return max(sc.parallel.zero, 1 if sc.training.distributed_optimizer else 0)
 
 
+def chunk_ranks(sc: Scenario) -> np.ndarray:
+    """The rank each chunk sits on under the scenario's schedule (loop or V placement), read from the schedule
+    itself built for one microbatch; loop placement if the schedule cannot be built that small."""
+    from sim.errors import ScheduleError
+    from sim.schedules import build_schedule
+
+    p, v = sc.pipeline.stages, sc.pipeline.virtual_stages
+    try:
+        return np.asarray(build_schedule(sc.pipeline.schedule, p, 1, v).stage_to_rank)
+    except ScheduleError:
+        return np.arange(p * v) % p
+
+
 def step_tail(sc: Scenario, dev: DeviceSpec, links: Links, params: np.ndarray, backward_s: np.ndarray,
               n_ranks: int) -> StepTail:
-    p = sc.pipeline.stages
-    chunk_rank = np.arange(len(params)) % p  # loop placement; V placement has the same per-rank sums for v = 2
+    chunk_rank = chunk_ranks(sc)
     p_rank = np.zeros(n_ranks)
     np.add.at(p_rank, chunk_rank, params)
     window = np.zeros(n_ranks)

@@ -225,3 +225,13 @@ def test_summary_says_when_the_peak_happens_and_what_is_live():
         assert moment["rank"] == rank
         parts = moment["static_bytes"] + moment["activation_bytes"] + moment["step_bytes"]
         assert parts == pytest.approx(summary["peak_hbm_bytes"][rank])
+
+
+def test_step_tail_follows_the_schedules_placement():
+    # ZB-V puts the first and the last chunk (embedding, LM head) both on rank 0, so rank 0 reduces the most
+    sc = load_scenario(None, {"pipeline.schedule": "zbv", "pipeline.virtual_stages": 2, "parallel.dp": 4,
+                              "parallel.overlap_grad_reduce": False})
+    table = build_cost_table(sc)
+    rank_params = [table.params[r] + table.params[2 * 4 - 1 - r] for r in range(4)]
+    assert np.argmax(table.step_tail_s) == np.argmax(rank_params) == 0
+    assert table.step_tail_s[0] > table.step_tail_s[1]
