@@ -26,3 +26,6 @@ class ChunkDetail:
     dram_bps: float = 32e9
     nvme_bytes: float = math.inf
     nvme_bps: float = 3e9
+    weight_stash_bytes: np.ndarray | None = None  # per chunk and microbatch: kept from I until W (split backward)
+    backward_transient_bytes: np.ndarray | None = None  # per chunk: working set while B/I runs (the loss)
+    step_transient_bytes: np.ndarray | None = None  # per chunk: what the optimizer step allocates while it runs

@@ -19,6 +19,7 @@ from sim.errors import ScenarioError
 NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Pos = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 PosInt = Annotated[int, Field(gt=0)]
+NonNegInt = Annotated[int, Field(ge=0)]
 PerChunk = NonNeg | list[NonNeg]  # a scalar, or one value per model chunk (stages * virtual_stages)
 
 
@@ -36,6 +37,15 @@ class PipelineConfig(_Section):
     virtual_stages: PosInt = 1
     """Model chunks per rank v; when omitted, what the schedule takes (zbv, v-half, interleaved-1f1b and
     chronos: 2; the others: 1)."""
+    layers_per_stage: Literal["even", "balanced"] | list[NonNegInt] = "even"
+    """Decoder layers per model chunk: "even" (as even as possible; when they do not divide, the last chunk,
+    then the first, take the smaller count: they carry the LM head and the embedding), "balanced" (the split
+    that minimises the slowest chunk's F+B time, embedding, LM head and loss included), or one count per chunk
+    (stages * virtual_stages entries summing to model.layers)."""
+    account_for_embedding: bool = False
+    """Count the embedding as one layer in the split (Megatron --account-for-embedding-in-pipeline-split)."""
+    account_for_loss: bool = False
+    """Count the LM head + loss as one layer in the split (Megatron --account-for-loss-in-pipeline-split)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -74,9 +84,19 @@ class CostsConfig(_Section):
 
 
 class ModelConfig(_Section):
-    """A LLaMA-style decoder: RMSNorm, RoPE, GQA attention, SwiGLU MLP, untied embedding and LM head."""
+    """A decoder-only transformer. `architecture` picks the layer (docs/cost-model.md):
+
+    llama  RMSNorm, RoPE, GQA attention, SwiGLU MLP (ffn_hidden required), untied embedding and LM head.
+    gpt    LayerNorm with bias, learned position embeddings, MHA, GeLU MLP (ffn_hidden = 4 * hidden by default),
+           biases, tied embedding and LM head (Megatron's GPT, the Megatron-LM and Zero Bubble papers' model).
+
+    `config` names a local Hugging Face config.json whose shape fills the keys not given here (sim/hf_config.py).
+    """
 
     name: str = "llama"
+    architecture: Literal["llama", "gpt"] = "llama"
+    config: str | None = None
+    """Path of a Hugging Face config.json (relative to the scenario file); explicit keys win over it."""
     layers: PosInt
     hidden: PosInt
     ffn_hidden: PosInt
@@ -84,6 +104,22 @@ class ModelConfig(_Section):
     kv_heads: PosInt
     vocab: PosInt
     seq_len: PosInt
+    tied_embeddings: bool
+    """Embedding and LM head share one matrix (default: false for llama, true for gpt)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _architecture_defaults(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        out = dict(raw)
+        arch = out.get("architecture", "llama")
+        if isinstance(out.get("heads"), int) and "kv_heads" not in out:
+            out["kv_heads"] = out["heads"]  # multi-head attention unless GQA is asked for
+        if arch == "gpt" and isinstance(out.get("hidden"), int) and "ffn_hidden" not in out:
+            out["ffn_hidden"] = 4 * out["hidden"]
+        out.setdefault("tied_embeddings", arch == "gpt")
+        return out
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelConfig:
@@ -96,10 +132,18 @@ class ModelConfig(_Section):
 
 class TrainingConfig(_Section):
     micro_batch_size: PosInt = 1
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
+    """fp8: GEMMs at the device's FP8 rate (Transformer Engine), everything stored as bf16."""
     optimizer: Literal["adam", "sgd"] = "adam"
     distributed_optimizer: bool = False
-    """Shard fp32 master weights and optimizer state across data-parallel ranks (ZeRO-1)."""
+    """Shard fp32 master weights and optimizer state across data-parallel ranks (ZeRO-1; = parallel.zero 1)."""
+    optimizer_impl: Literal["fused", "foreach"] = "fused"
+    """fused: one kernel per tensor group, no temporaries (Apex/TE FusedAdam in Megatron, torch fused AdamW);
+    foreach: torch's multi-tensor Adam, which allocates one fp32 temporary per parameter during the step."""
+    attention: Literal["flash", "eager"] = "flash"
+    """flash keeps no s x s tensors; eager keeps the softmax output (and, with dropout, its mask and output)."""
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """Attention and hidden dropout probability; above 0 each dropout keeps a 1-byte mask (Korthikanti)."""
 
 
 class ParallelConfig(_Section):
@@ -107,6 +151,17 @@ class ParallelConfig(_Section):
     dp: PosInt = 1
     sequence_parallel: bool = True
     """With tp > 1, shard norm/residual activations over TP too (Korthikanti et al. 2022)."""
+    zero: Literal[0, 1, 2, 3] = 0
+    """Data-parallel sharding: 1 optimizer state + fp32 master (Megatron distributed optimizer), 2 + gradients,
+    3 + parameters (FSDP / ZeRO-3, parameters all-gathered per layer)."""
+    gpus_per_node: PosInt = 8
+    """Ranks are laid out TP innermost, then PP, then DP (Megatron's order); a group inside one node talks
+    over NVLink, one spanning nodes over the network."""
+    overlap_grad_reduce: bool = True
+    """Bucketed data-parallel gradient reduction overlapped with the backward (Megatron --overlap-grad-reduce,
+    torch DDP/FSDP); false reduces after the last backward."""
+    tp_comm_overlap: bool = False
+    """Overlap tensor-parallel collectives with the GEMMs (Megatron --tp-comm-overlap, Transformer Engine)."""
 
 
 class DeviceConfig(_Section):
@@ -115,6 +170,10 @@ class DeviceConfig(_Section):
     preset: str = "H100-SXM-80GB"
     peak_tflops: Pos | None = None
     efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
+    """Flat share of peak for GEMMs and attention alike: replaces the per-GEMM curve (sim/roofline.py)."""
+    gemm_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
+    """The curve's large-GEMM asymptote: the one calibration per device (`pipeplan profile` measures it)."""
+    attention_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
     hbm_gib: Pos | None = None
     hbm_gbps: Pos | None = None
     host_link_gbps: Pos | None = None
@@ -131,18 +190,27 @@ class DeviceConfig(_Section):
         return self
 
     def resolved(self) -> dict[str, float]:
-        """The preset's figures with this table's overrides applied."""
+        """The preset's figures with this table's overrides applied (`efficiency` only when given)."""
         values = dict(device_presets()[self.preset])
         values.update({k: v for k, v in self.model_dump(exclude={"preset"}).items() if v is not None})
         return values
 
 
 class InterconnectConfig(_Section):
-    p2p_gbps: Pos = 50.0
-    """Bandwidth per direction between adjacent pipeline ranks (default: 400 Gb/s InfiniBand NDR)."""
-    p2p_latency_us: NonNeg = 10.0
-    tp_gbps: Pos = 450.0
-    """Per-direction bandwidth inside a tensor-parallel group (default: H100 NVLink, 900 GB/s bidirectional)."""
+    """Link figures per GPU and direction; omitted ones come from the [device] preset (its node's NVLink and
+    NICs). A group of ranks inside one node uses the intra-node figures, one spanning nodes the inter-node ones."""
+
+    intra_node_gbps: Pos | None = None
+    """NVLink bandwidth per GPU and direction."""
+    intra_node_latency_us: NonNeg | None = None
+    inter_node_gbps: Pos | None = None
+    """InfiniBand/RoCE bandwidth per GPU and direction (one NIC per GPU on DGX nodes)."""
+    inter_node_latency_us: NonNeg | None = None
+    p2p_gbps: Pos | None = None
+    """Explicit override: bandwidth between adjacent pipeline ranks, wherever they sit."""
+    p2p_latency_us: NonNeg | None = None
+    tp_gbps: Pos | None = None
+    """Explicit override: per-direction bandwidth inside a tensor-parallel group."""
 
 
 Unit = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
@@ -234,6 +302,12 @@ class MemoryConfig(_Section):
     """Where the fp32 gradient accumulation buffer lives (HBM keeps a bf16 buffer, copied out at the end)."""
     hbm_margin_gib: NonNeg = 0.0
     """HBM kept free for the allocator, workspaces and communication buffers."""
+    fragmentation: Annotated[float, Field(ge=0, lt=1)] = 0.15
+    """Share of the caching allocator's reserved activation memory lost to fragmentation: activations take
+    1 / (1 - fragmentation) of their bytes. 0.15 is GMLake's mean over eight LLMs on A100-80GB (Guo et al.,
+    ASPLOS 2024, arXiv 2401.08156: fragmentation reduced by 15% on average, up to 33%)."""
+    runtime_overheads: bool = True
+    """Count the CUDA context, cuBLAS workspace and NCCL buffers in HBM (docs/cost-model.md)."""
     activation_model: Literal["llama", "megatron"] = "llama"
     """Bytes per layer: pipeplan's LLaMA count, or Megatron-LM's theoretical sbh(18 + 4f/h)."""
     prefetch_lookahead: PosInt = 2
@@ -262,11 +336,8 @@ class Scenario(_Section):
             keys = ("forward_s", "backward_input_s", "backward_weight_s", "activation_bytes", "static_bytes")
             for key in (*keys, "checkpoint_bytes"):
                 _check_per_chunk(f"costs.{key}", getattr(self.costs, key), chunks)
-        if self.model is not None and self.model.layers % chunks:
-            raise ValueError(
-                f"model.layers: {self.model.layers} is not divisible by pipeline.stages * "
-                f"pipeline.virtual_stages = {chunks}; choose layers, stages and virtual_stages to divide"
-            )
+        if self.model is not None:
+            _check_layer_split(self.pipeline, self.model.layers, chunks)
         _check_per_chunk("memory.recompute", self.memory.recompute, chunks)
         for key in ("backward_min_s", "weight_min_s"):
             _check_per_chunk(f"freeze.{key}", getattr(self.freeze, key), chunks)
@@ -275,6 +346,25 @@ class Scenario(_Section):
     @property
     def num_chunks(self) -> int:
         return self.pipeline.stages * self.pipeline.virtual_stages
+
+
+def _check_layer_split(p: PipelineConfig, layers: int, chunks: int) -> None:
+    split = p.layers_per_stage
+    if isinstance(split, list):
+        if len(split) != chunks:
+            raise ValueError(
+                f"pipeline.layers_per_stage: has {len(split)} entries; give one per chunk "
+                f"(pipeline.stages * pipeline.virtual_stages = {chunks})"
+            )
+        if sum(split) != layers:
+            raise ValueError(f"pipeline.layers_per_stage: sums to {sum(split)}; must sum to model.layers = {layers}")
+        return
+    slots = layers + int(p.account_for_embedding) + int(p.account_for_loss)
+    if slots < chunks:
+        raise ValueError(
+            f"model.layers: {layers} layers cannot fill pipeline.stages * pipeline.virtual_stages = {chunks} "
+            f"chunks; use fewer stages or give pipeline.layers_per_stage explicitly"
+        )
 
 
 def _check_per_chunk(field: str, value: Any, chunks: int) -> None:
@@ -332,7 +422,7 @@ def load_scenario(path: str | Path | None = None, overrides: dict[str, Any] | No
         set_dotted(raw, key, value)
     if "pipeline.schedule" in (overrides or {}) and "pipeline.virtual_stages" not in (overrides or {}):
         _fit_virtual_stages(raw)
-    return parse_scenario(raw, source=str(path))
+    return parse_scenario(raw, source=str(path), base_dir=path.parent)
 
 
 def _fit_virtual_stages(raw: dict[str, Any]) -> None:
@@ -349,7 +439,11 @@ def _fit_virtual_stages(raw: dict[str, Any]) -> None:
     p["virtual_stages"] = virtual_stages_for(p["schedule"], stages, mbs, v if isinstance(v, int) and v > 0 else None)
 
 
-def parse_scenario(raw: dict[str, Any], source: str = "scenario") -> Scenario:
+def parse_scenario(raw: dict[str, Any], source: str = "scenario", base_dir: Path | None = None) -> Scenario:
+    """Validate a scenario dict; a `model.config` path is read first (relative to `base_dir`)."""
+    from sim.hf_config import merge_hf_config
+
+    raw = merge_hf_config(raw, base_dir, source)
     try:
         return Scenario.model_validate(raw)
     except ValidationError as exc:

@@ -1,22 +1,12 @@
-"""Analytical cost model of a LLaMA-style decoder chunk: FLOPs, time, activation and model-state bytes.
+"""Analytical cost model: a model + hardware scenario -> per-chunk costs of F, I (backward-input) and
+W (backward-weight), activation and state bytes, and the step's tail (data-parallel reduction, optimizer step).
 
-Formulas (derivations and sources in docs/cost-model.md). Per layer and microbatch, with micro-batch b,
-sequence s, hidden h, FFN f, heads a, KV heads g, head dim d = h/a, KV width h_kv = g*d, TP degree t:
-
-    linear FLOPs (forward)     2bs·[h(h + 2h_kv) + h² + 3hf]           (QKV, out-proj, SwiGLU gate/up/down)
-    attention core (forward)   2bs²h                                    (QKᵀ and AV, causal: half of 4bs²h)
-    backward-input             linear + 2.5 × attention core            (FlashAttention-2 backward ≈ 2.5× fwd)
-    backward-weight            linear                                   (dW = Xᵀ dY, same FLOPs as Y = XW)
-    LM head (last chunk)       2bsVh forward, the same again for input and for weight gradients
-
-Time = FLOPs / (t · peak · efficiency) + tensor-parallel all-reduces (2 per layer in F and in I, ring:
-2(t-1)/t · e·bsh / tp_bandwidth). Activation bytes per layer (e bytes per element, flash attention, no
-dropout; Korthikanti et al. 2022 Table 2 adapted to RMSNorm + GQA + SwiGLU):
-
-    e·sb(6h + 2h_kv + 4f) + 4·abs                                        (/t with sequence parallelism)
-
-Model states per parameter: bf16/fp16 + Adam = 2 (weights) + 4 (fp32 grads) + 12 (fp32 master, m, v) = 18
-bytes, as Megatron-LM's theoretical memory model; with a distributed optimizer 6 + 12/dp.
+FLOPs and bytes per layer are counted per op (sim/layer_ops.py); each op's time is a roofline on the device
+(sim/roofline.py); collectives run over the link their ranks share (sim/comm.py); activations follow
+Korthikanti et al. 2022 (sim/activations.py); runtime memory (CUDA context, cuBLAS workspace, NCCL buffers,
+allocator fragmentation) comes from sim/overheads.py. Model states per parameter follow Megatron-LM's
+theoretical memory model: bf16 weights 2 + fp32 gradients 4 + fp32 master 4 + Adam m, v 8 = 18 bytes, with
+ZeRO stage k sharding the last parts over dp (docs/cost-model.md).
 """
 
 from __future__ import annotations
@@ -25,10 +15,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sim.activations import DTYPE_BYTES, layer_memory, sequence_divisor
 from sim.chunk_detail import ChunkDetail
+from sim.comm import build_links, p2p_link, tp_link
 from sim.config import Scenario
+from sim.data_parallel import StepTail, effective_zero, step_tail
+from sim.layer_ops import LayerTimes, head_times, layer_flops, layer_times
+from sim.layer_split import layers_per_chunk
+from sim.overheads import loss_transient_bytes, runtime_bytes
+from sim.roofline import DeviceSpec
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FLASH_BACKWARD_FACTOR = 2.5  # FlashAttention-2 (Dao 2023): backward does 5 matmuls to the forward's 2
 
 
@@ -43,53 +39,92 @@ class LayerCosts:
     activation_bytes: float
     params: float  # parameters held by one TP rank
     checkpoint_bytes: float  # the layer input, all full recomputation keeps
-    attention_activation_bytes: float  # Q, K, V, O and LSE: what selective recomputation drops
-    attention_forward_flops: float  # QKV projection + attention core: what selective recomputation redoes
+    attention_activation_bytes: float  # the attention core's s² tensors (or LSE): what selective drops
+    attention_forward_flops: float  # the attention core: what selective recomputation redoes
+    weight_stash_bytes: float  # kept from I until W when the backward is split
+
+
+def layer_params(sc: Scenario) -> tuple[float, float]:
+    """(TP-sharded, replicated) parameters of one layer. GPT adds biases (column-parallel ones shard) and
+    LayerNorm's bias; LLaMA has two RMSNorm weights."""
+    m = sc.model
+    assert m is not None
+    h, f = m.hidden, m.ffn_hidden
+    h_kv = m.kv_heads * (h // m.heads)
+    if m.architecture == "gpt":
+        sharded = h * (h + 2 * h_kv) + (h + 2 * h_kv) + h * h + h * f + f + f * h
+        return sharded, h + h + 4 * h  # proj and fc2 biases, two LayerNorms (weight + bias)
+    return h * (h + 2 * h_kv) + h * h + 3 * h * f, 2 * h
 
 
 def layer_costs(sc: Scenario) -> LayerCosts:
     m, tr, t = sc.model, sc.training, sc.parallel.tp
     assert m is not None
-    b, s, h, f, a = tr.micro_batch_size, m.seq_len, m.hidden, m.ffn_hidden, m.heads
-    h_kv = m.kv_heads * (h // a)
+    fl = layer_flops(sc)
+    mem = layer_memory(sc)
+    sharded, replicated = layer_params(sc)
     e = DTYPE_BYTES[tr.dtype]
-    linear = 2 * b * s * (h * (h + 2 * h_kv) + h * h + 3 * h * f)
-    attn = 2 * b * s * s * h
-    sharded = e * s * b * (2 * h + 2 * h_kv + 4 * f) + 4 * a * b * s  # Q,K,V,O, MLP intermediates, LSE
-    replicated = e * s * b * 4 * h  # the two norm inputs and the QKV/MLP inputs: sharded only with SP
-    act = (sharded + replicated) / t if (sc.parallel.sequence_parallel or t == 1) else sharded / t + replicated
-    if sc.memory.activation_model == "megatron":
-        act = s * b * h * (18 + 4 * f / h) / t  # Megatron-LM theoretical_memory_usage.py, per layer
-    attn_bytes = (e * s * b * (2 * h + 2 * h_kv) + 4 * a * b * s) / t
-    attn_flops = (2 * b * s * h * (h + 2 * h_kv) + attn) / t
-    params = (h * (h + 2 * h_kv) + h * h + 3 * h * f) / t + 2 * h
     return LayerCosts(
-        forward_flops=(linear + attn) / t,
-        backward_input_flops=(linear + FLASH_BACKWARD_FACTOR * attn) / t,
-        backward_weight_flops=linear / t,
-        tp_comm_bytes=e * b * s * h if t > 1 else 0.0,
-        activation_bytes=act,
-        params=params,
-        checkpoint_bytes=e * s * b * h / t,
-        attention_activation_bytes=attn_bytes,
-        attention_forward_flops=attn_flops,
+        forward_flops=fl.forward,
+        backward_input_flops=fl.backward_input,
+        backward_weight_flops=fl.backward_weight,
+        tp_comm_bytes=e * tr.micro_batch_size * m.seq_len * m.hidden if t > 1 else 0.0,
+        activation_bytes=mem.activation,
+        params=sharded / t + replicated,
+        checkpoint_bytes=mem.checkpoint,
+        attention_activation_bytes=mem.attention_core,
+        attention_forward_flops=fl.attention_forward,
+        weight_stash_bytes=mem.weight_stash,
     )
 
 
+def embedding_params(sc: Scenario) -> tuple[float, float]:
+    """(first chunk, last chunk) embedding-side parameters per TP rank. Tied embeddings with more than one
+    chunk keep a copy on the last (Megatron's shared embedding, its gradient all-reduced between the two)."""
+    m, t = sc.model, sc.parallel.tp
+    assert m is not None
+    vh = m.vocab * m.hidden / t
+    pos = m.seq_len * m.hidden if m.architecture == "gpt" else 0  # learned positions, not TP-sharded
+    norm = (2 if m.architecture == "gpt" else 1) * m.hidden
+    single = sc.num_chunks == 1
+    head = 0.0 if (m.tied_embeddings and single) else vh
+    return vh + pos, head + norm
+
+
 def state_bytes_per_param(sc: Scenario) -> dict[str, float]:
-    """Model-state bytes per parameter by part: weights, gradients, master_weights, optimizer."""
+    """Model-state bytes per parameter by part, with ZeRO stage k sharding over dp:
+    k >= 1 optimizer state and fp32 master, k >= 2 gradients, k = 3 the weights (FSDP keeps the sharded fp32
+    master as the parameter, so no separate bf16 copy persists). With a pipeline, FSDP does not reshard after
+    forward (torchtitan parallelize.py: reshard_after_forward = not pp_enabled) and torch's pipeline stages
+    turn gradient sync off until the last microbatch, so the gathered bf16 weights and their unsharded bf16
+    gradients stay for the whole step: e + e bytes more."""
     tr, dp = sc.training, sc.parallel.dp
-    shard = dp if tr.distributed_optimizer else 1
-    return {
-        "weights": DTYPE_BYTES[tr.dtype],
-        "gradients": 4,  # fp32 gradient accumulation (Megatron main_grad), also for fp32 training
-        "master_weights": (0 if tr.dtype == "fp32" else 4) / shard,
-        "optimizer": {"adam": 8, "sgd": 4}[tr.optimizer] / shard,  # Adam m, v; SGD momentum; all fp32
+    zero = effective_zero(sc)
+    e = DTYPE_BYTES[tr.dtype]
+    mixed = tr.dtype != "fp32"
+    parts = {
+        "weights": e if zero < 3 else (0 if mixed else e / dp),
+        "gradients": 4 / (dp if zero >= 2 else 1),  # fp32 accumulation (Megatron main_grad, FSDP reduce dtype)
+        "master_weights": (4 if mixed else 0) / (dp if zero >= 1 else 1),
+        "optimizer": {"adam": 8, "sgd": 4}[tr.optimizer] / (dp if zero >= 1 else 1),  # Adam m, v; momentum
     }
+    if zero == 3 and dp > 1 and sc.pipeline.stages > 1:
+        parts["weights"] += e
+        parts["gradients"] += e
+    return parts
 
 
 def bytes_per_param(sc: Scenario) -> float:
     return sum(state_bytes_per_param(sc).values())
+
+
+def device_spec(sc: Scenario) -> DeviceSpec:
+    dev = sc.device.resolved()
+    if sc.training.dtype == "fp8" and not dev.get("fp8_tflops"):
+        from sim.errors import ScenarioError
+
+        raise ScenarioError(f"training.dtype: 'fp8' needs a device with FP8 tensor cores; {sc.device.preset} has none")
+    return DeviceSpec.from_resolved(dev, sc.device.efficiency, fp8=sc.training.dtype == "fp8")
 
 
 @dataclass(frozen=True)
@@ -109,6 +144,7 @@ class ChunkCosts:
     peak_flops_per_gpu: float
     gpus_per_chunk: int
     detail: ChunkDetail
+    tail: StepTail
 
 
 def model_chunk_costs(sc: Scenario) -> ChunkCosts:
@@ -116,66 +152,82 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     m, tr, t = sc.model, sc.training, sc.parallel.tp
     assert m is not None
     dev = sc.device.resolved()
-    net = sc.interconnect
+    spec = device_spec(sc)
+    links = build_links(sc, dev)
     chunks = sc.num_chunks
-    per_chunk_layers = m.layers // chunks
-    lc = layer_costs(sc)
-    flops_rate = dev["peak_tflops"] * 1e12 * dev["efficiency"]
     e = DTYPE_BYTES[tr.dtype]
     b, s, h, v = tr.micro_batch_size, m.seq_len, m.hidden, m.vocab
+    lc = layer_costs(sc)
+    lt: LayerTimes = layer_times(sc, spec, tp_link(sc, links))
+    head = head_times(sc, spec)
+    emb_params, head_params = embedding_params(sc)
 
-    allreduce_s = 2 * (t - 1) / t * lc.tp_comm_bytes / (net.tp_gbps * 1e9) if t > 1 else 0.0
-    f_layer = lc.forward_flops / flops_rate + 2 * allreduce_s
-    i_layer = lc.backward_input_flops / flops_rate + 2 * allreduce_s
-    w_layer = lc.backward_weight_flops / flops_rate
+    # the chunks' fixed work: the embedding on the first, final norm + LM head + loss on the last
+    extra_f, extra_i, extra_w = np.zeros(chunks), np.zeros(chunks), np.zeros(chunks)
+    extra_f[0] += head.embedding_forward_s
+    extra_i[0] += head.embedding_backward_s
+    extra_f[-1] += head.forward_s
+    extra_i[-1] += head.backward_input_s
+    extra_w[-1] += head.backward_weight_s
+    counts = np.asarray(layers_per_chunk(sc.pipeline, m.layers, lt.forward_s + lt.backward_input_s
+                                         + lt.backward_weight_s, list(extra_f + extra_i + extra_w)), dtype=float)
 
-    fwd = np.full(chunks, per_chunk_layers * f_layer)
-    bwi = np.full(chunks, per_chunk_layers * i_layer)
-    bww = np.full(chunks, per_chunk_layers * w_layer)
-    act = np.full(chunks, per_chunk_layers * lc.activation_bytes)
-    params = np.full(chunks, per_chunk_layers * lc.params)
+    fwd = counts * lt.forward_s + extra_f
+    bwi = counts * lt.backward_input_s + extra_i
+    bww = counts * lt.backward_weight_s + extra_w
+    act = counts * lc.activation_bytes
+    params = counts * lc.params
+    params[0] += emb_params
+    params[-1] += head_params
+    sp = sequence_divisor(sc)
+    # last chunk: final-norm input, LM-head input and the fp32 logits the cross-entropy keeps (Korthikanti §4.1)
+    act[-1] += 2 * e * b * s * h / sp + 4 * b * s * v / t
+    # first chunk: token ids (int64) and, with dropout, the embedding dropout mask (Megatron's count)
+    act[0] += 8 * s * b + (s * b * h / sp if tr.dropout > 0 else 0)
+    if sc.memory.activation_model == "megatron" and tr.dropout == 0:
+        act[0] += s * b * h / t  # theoretical_memory_usage.py counts the embedding dropout mask regardless
 
-    head_flops = 2 * b * s * h * v / t
-    fwd[-1] += head_flops / flops_rate
-    bwi[-1] += head_flops / flops_rate
-    bww[-1] += head_flops / flops_rate
-    # last chunk keeps the final-norm input, the LM-head input and fp32 logits for the cross-entropy
-    act[-1] += (2 * e * b * s * h) / t + 4 * b * s * v / t
-    params[0] += v * h / t  # embedding (untied)
-    params[-1] += v * h / t + h  # LM head and final norm
-
-    if sc.memory.activation_model == "megatron":
-        act[0] += (8 * s * b + s * b * h) / t  # Megatron: embedding input ids and dropout mask, first stage
+    frag = 1.0 / (1.0 - sc.memory.fragmentation)
+    states = {k: params * per for k, per in state_bytes_per_param(sc).items()}
+    n_ranks = sc.pipeline.stages
+    states["runtime"] = np.full(chunks, runtime_bytes(sc, dev, lc.params) / sc.pipeline.virtual_stages)
+    transient = np.zeros(chunks)
+    transient[-1] = loss_transient_bytes(sc)
+    tail = step_tail(sc, spec, links, params, bwi + bww, n_ranks)
     detail = ChunkDetail(
-        layers=np.full(chunks, per_chunk_layers),
-        layer_activation_bytes=np.full(chunks, lc.activation_bytes),
-        layer_checkpoint_bytes=np.full(chunks, lc.checkpoint_bytes),
-        layer_forward_s=np.full(chunks, f_layer),
-        attention_activation_bytes=np.full(chunks, lc.attention_activation_bytes),
-        attention_forward_s=np.full(chunks, lc.attention_forward_flops / flops_rate),
-        state_bytes={k: params * v for k, v in state_bytes_per_param(sc).items()},
+        layers=counts,
+        layer_activation_bytes=np.full(chunks, lc.activation_bytes * frag),
+        layer_checkpoint_bytes=np.full(chunks, lc.checkpoint_bytes * frag),
+        layer_forward_s=np.full(chunks, lt.forward_s),
+        attention_activation_bytes=np.full(chunks, lc.attention_activation_bytes * frag),
+        attention_forward_s=np.full(chunks, lt.attention_forward_s),
+        state_bytes=states,
         host_link_bps=dev["host_link_gbps"] * 1e9,
         dram_bytes=dev["dram_gib"] * 2**30,
         dram_bps=dev["dram_gbps"] * 1e9,
         nvme_bytes=dev["nvme_gib"] * 2**30,
         nvme_bps=dev["nvme_gbps"] * 1e9,
+        weight_stash_bytes=counts * lc.weight_stash_bytes * frag,
+        backward_transient_bytes=transient * frag,
+        step_transient_bytes=tail.transient_bytes_per_chunk,
     )
-    flops_mb = t * (
-        m.layers * (lc.forward_flops + lc.backward_input_flops + lc.backward_weight_flops) + 3 * head_flops
-    )
+    flops_mb = t * (m.layers * (lc.forward_flops + lc.backward_input_flops + lc.backward_weight_flops)
+                    + 3 * head.flops)
     p2p_bytes = e * b * s * h / t
+    static_parts = ("weights", "gradients", "master_weights", "optimizer")
     return ChunkCosts(
         forward_s=fwd,
         backward_input_s=bwi,
         backward_weight_s=bww,
-        activation_bytes=act,
-        static_bytes=params * bytes_per_param(sc),
+        activation_bytes=act * frag,
+        static_bytes=sum(states[k] for k in static_parts),
         params=params,
-        p2p_s=net.p2p_latency_us * 1e-6 + p2p_bytes / (net.p2p_gbps * 1e9),
+        p2p_s=p2p_link(sc, links).transfer_s(p2p_bytes),
         hbm_bytes=dev["hbm_gib"] * 2**30,
         flops_per_microbatch=flops_mb,
         tokens_per_microbatch=b * s,
-        peak_flops_per_gpu=dev["peak_tflops"] * 1e12,
+        peak_flops_per_gpu=spec.peak_flops,
         gpus_per_chunk=t,
         detail=detail,
+        tail=tail,
     )

@@ -38,6 +38,7 @@ class CostTable:
     gpus_per_rank: int = 1  # tensor-parallel degree
     params: np.ndarray | None = field(default=None)  # per chunk, per TP rank
     detail: ChunkDetail | None = None
+    step_tail_s: np.ndarray | None = None  # per rank: DP reduction + optimizer step after its last action
 
     @property
     def num_chunks(self) -> int:
@@ -116,4 +117,5 @@ def build_cost_table(sc: Scenario) -> CostTable:
         gpus_per_rank=mc.gpus_per_chunk,
         params=mc.params,
         detail=mc.detail,
+        step_tail_s=mc.tail.tail_s,
     )

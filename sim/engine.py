@@ -66,6 +66,22 @@ class CopyRecord:
     end_s: float
 
 
+@dataclass(frozen=True)
+class PeakMoment:
+    """A rank's HBM peak: when, during what, and its parts (static states + runtime, activations, step work)."""
+
+    rank: int
+    time_s: float
+    during: str  # the action that allocated last ("1F3"), or "optimizer step"
+    static_bytes: float
+    activation_bytes: float
+    step_bytes: float
+
+    def as_dict(self) -> dict:
+        return {"rank": self.rank, "time_s": self.time_s, "during": self.during, "static_bytes": self.static_bytes,
+                "activation_bytes": self.activation_bytes, "step_bytes": self.step_bytes}
+
+
 @dataclass
 class SimResult:
     """Everything one simulated step produced; tables use the trace schema shared with measured runs."""
@@ -93,6 +109,13 @@ class SimResult:
     peak_nvme_bytes: np.ndarray | None = None
     hbm_limit_bytes: float = float("inf")
     copies: list[CopyRecord] = field(default_factory=list)  # per copy stream in grant order (FIFO)
+    peak_at: list[PeakMoment] = field(default_factory=list)  # per rank: when its HBM peak happens, what is live
+    step_end_s: float = 0.0  # when the last rank's DP reduction and optimizer step end (costs.step_tail_s)
+
+    @property
+    def step_time_s(self) -> float:
+        """The whole training step: the pipeline's makespan, or later if a rank's step tail ends later."""
+        return max(self.makespan_s, self.step_end_s)
 
     def copy_order(self) -> CopyOrder | None:
         """Per rank and stream, the copies in the order the engine granted them; None if the step made none."""
@@ -123,7 +146,7 @@ class SimResult:
         c = self.costs
         if c.tokens_per_microbatch is None or self.makespan_s <= 0:
             return None
-        return c.tokens_per_microbatch * self.schedule.num_microbatches * c.data_parallel / self.makespan_s
+        return c.tokens_per_microbatch * self.schedule.num_microbatches * c.data_parallel / self.step_time_s
 
     @property
     def mfu(self) -> float | None:
@@ -132,7 +155,7 @@ class SimResult:
             return None
         gpus = self.schedule.num_ranks * c.gpus_per_rank
         return c.flops_per_microbatch * self.schedule.num_microbatches / (
-            self.makespan_s * gpus * c.peak_flops_per_gpu
+            self.step_time_s * gpus * c.peak_flops_per_gpu
         )
 
 
@@ -204,6 +227,11 @@ class _StepSimulation:
         self.nvme = per_rank_sum(mem.static_host_bytes.get("nvme", np.zeros(0)), s2r, n_ranks).tolist()
         self.peak_act = [0.0] * n_ranks
         self.peak_hbm = list(self.static)
+        self.peak_moment: list[tuple[float, str, float]] = [(0.0, "start", 0.0)] * n_ranks
+        self.stash = mem.stash_bytes.tolist() if len(mem.stash_bytes) else [0.0] * schedule.num_stages
+        self.step_transient = per_rank_sum(mem.step_transient_bytes, s2r, n_ranks).tolist() \
+            if len(mem.step_transient_bytes) else [0.0] * n_ranks
+        self.step_tail = costs.step_tail_s.tolist() if costs.step_tail_s is not None else [0.0] * n_ranks
         self.peak_dram, self.peak_nvme = list(self.dram), list(self.nvme)
         self.busy = [0.0] * n_ranks
         self.stall = [0.0] * n_ranks
@@ -231,12 +259,13 @@ class _StepSimulation:
         self.side_chains = side_chains(schedule, mem)  # work that follows an action off the compute stream
 
     # ---- memory ------------------------------------------------------------------------------------------
-    def _record(self, rank: int, at: float) -> None:
+    def _record(self, rank: int, at: float, during: str = "") -> None:
         static, live, dram, nvme = self.static[rank], self.live[rank], self.dram[rank], self.nvme[rank]
         hbm = static + live
         self.memory.append((rank, at, hbm, static, live, dram, nvme))
         if hbm > self.peak_hbm[rank]:
             self.peak_hbm[rank] = hbm
+            self.peak_moment[rank] = (at, during, live)
         if dram > self.peak_dram[rank]:
             self.peak_dram[rank] = dram
         if nvme > self.peak_nvme[rank]:
@@ -244,7 +273,7 @@ class _StepSimulation:
 
     def _allocate(self, rank: int, delta: float, at: float, i: int) -> None:
         self.live[rank] += delta
-        self._record(rank, at)
+        self._record(rank, at, str(self.actions[i]) if delta > 0 else "")
         if delta > 0:
             self.peak_act[rank] = max(self.peak_act[rank], self.live[rank])
             hbm = self.static[rank] + self.live[rank]
@@ -386,8 +415,12 @@ class _StepSimulation:
             if wait > 0:
                 yield env.timeout(wait)
             if backward:
-                self._allocate(rank, -self.kept[self.forward_of[i]] - float(self.transient[acts[i].stage]),
+                # a split backward's I keeps what its W needs (inputs of the weight GEMMs, output gradients)
+                stash = self.stash[acts[i].stage] if kind is Kind.I else 0.0
+                self._allocate(rank, stash - self.kept[self.forward_of[i]] - float(self.transient[acts[i].stage]),
                                env.now, i)
+            elif kind is Kind.W and self.stash[acts[i].stage]:
+                self._allocate(rank, -self.stash[acts[i].stage], env.now, i)
             self.busy[rank] += dur
             self.progress[rank] += 1
             self.finished.append(i)
@@ -398,17 +431,35 @@ class _StepSimulation:
             if i in self.side_chains:
                 env.process(self._side_chain(self.side_chains[i], rank))
 
+    def _optimizer_step(self) -> float:
+        """After each rank's last action: its DP reduction and optimizer step (costs.step_tail_s) and the step's
+        transient memory. Returns when the last rank's step ends (SimResult.step_time_s); the pipeline's
+        makespan, which the freeze planner reproduces, excludes it."""
+        done = 0.0
+        for r, slots in enumerate(self.rank_slices):
+            last = max((self.end[i] for i in slots), default=0.0)
+            end = last + self.step_tail[r]
+            if self.step_transient[r]:
+                self.live[r] += self.step_transient[r]
+                self._record(r, last, "optimizer step")
+                self.live[r] -= self.step_transient[r]
+                self._record(r, end)
+            done = max(done, end)
+        return done
+
     def run(self) -> SimResult:
         for r in range(self.sched.num_ranks):
             self.env.process(self._rank_process(r))
         self.env.run()
         self._check_finished()
+        step_end = self._optimizer_step()
         order = self.finished
         acts = [self.actions[i] for i in order]
         return SimResult(
             schedule=self.sched,
             costs=self.costs,
             makespan_s=max(max((self.end[i] for i in order), default=0.0), self.copy_end),
+            step_end_s=step_end,
             rank=np.asarray([self.rank_of[i] for i in order], dtype=np.int64),
             stage=np.asarray([a.stage for a in acts], dtype=np.int64),
             microbatch=np.asarray([a.microbatch for a in acts], dtype=np.int64),
@@ -429,6 +480,11 @@ class _StepSimulation:
             copies=[
                 CopyRecord(r, stream, what, self.actions[i] if i >= 0 else None, stage, start, end)
                 for r, stream, what, i, stage, start, end in self.copy_log
+            ],
+            peak_at=[
+                PeakMoment(r, at, during, self.static[r], live if during != "optimizer step" else 0.0,
+                           self.step_transient[r] if during == "optimizer step" else 0.0)
+                for r, (at, during, live) in enumerate(self.peak_moment)
             ],
         )
 

@@ -24,7 +24,7 @@ from sim.costs import ChunkDetail, CostTable
 from sim.engine import SimResult, simulate
 from sim.errors import ScenarioError
 from sim.ir import BACKWARD_KINDS, Kind, Schedule
-from sim.memory_plan import MemoryPlan, keep_everything
+from sim.memory_plan import MemoryPlan, keep_everything, or_zeros
 
 __all__ = ["GIB", "HOST_ADAM_BYTES_PER_PARAM", "RECOMPUTE", "MemoryPlan", "activation_arrays", "build_memory_plan",
            "keep_everything", "with_states"]
@@ -49,6 +49,7 @@ def activation_arrays(
     extra = full_layers * d.layer_forward_s + selective_layers * d.attention_forward_s
     transient = np.where(full_layers > 0, d.layer_activation_bytes, np.where(selective_layers > 0,
                                                                              d.attention_activation_bytes, 0.0))
+    transient = transient + or_zeros(d.backward_transient_bytes, costs.num_chunks)  # the loss's working set
     return np.maximum(kept, 0.0), transient, extra
 
 
@@ -150,7 +151,7 @@ def with_states(sc: Scenario, costs: CostTable, plan: MemoryPlan) -> MemoryPlan:
     if mem.optimizer != "hbm" and mem.master_weights != mem.optimizer:
         raise ScenarioError(f"memory.master_weights: must live with the host optimizer step ('{mem.optimizer}'), "
                             f"got '{mem.master_weights}'")
-    static_hbm = parts.get("weights", zero).copy()
+    static_hbm = parts.get("weights", zero).copy() + parts.get("runtime", zero)  # + CUDA context, NCCL, ...
     host: dict[str, np.ndarray] = {"dram": zero.copy(), "nvme": zero.copy()}
     params = costs.params if costs.params is not None else zero
     for part, tier in tiers.items():
@@ -190,4 +191,6 @@ def with_states(sc: Scenario, costs: CostTable, plan: MemoryPlan) -> MemoryPlan:
         policy=plan.policy,
         host_link_bps=d.host_link_bps,
         nvme_bps=min(d.nvme_bps, d.host_link_bps),
+        stash_bytes=or_zeros(d.weight_stash_bytes, n),
+        step_transient_bytes=or_zeros(d.step_transient_bytes, n),
     )

@@ -27,6 +27,8 @@ class MemoryPlan:
     policy: tuple[str, ...] = ()  # per chunk, for reports
     host_link_bps: float = 32e9
     nvme_bps: float = 3e9
+    stash_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per chunk: held from I end to W end
+    step_transient_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per chunk, during the step
 
     @property
     def offloads(self) -> bool:
@@ -45,16 +47,24 @@ class MemoryPlan:
 def keep_everything(costs: CostTable) -> MemoryPlan:
     """The default plan: every activation stays in HBM, every model state too."""
     n = costs.num_chunks
+    d = costs.detail
     return MemoryPlan(
         kept_bytes=costs.activation_bytes.astype(float),
-        transient_bytes=np.zeros(n),
+        transient_bytes=or_zeros(d.backward_transient_bytes if d else None, n),
         recompute_s=np.zeros(n),
         offload_bytes=np.zeros(n),
         offload_nvme=np.zeros(n, dtype=bool),
-        static_hbm_bytes=costs.static_bytes.astype(float),
+        static_hbm_bytes=costs.static_bytes.astype(float) + (d.state_bytes.get("runtime", 0.0) if d else 0.0),
         step_d2h_bytes=np.zeros(n),
         step_host_s=np.zeros(n),
         step_h2d_bytes=np.zeros(n),
         hbm_limit_bytes=costs.hbm_bytes,
         policy=("none",) * n,
+        stash_bytes=or_zeros(d.weight_stash_bytes if d else None, n),
+        step_transient_bytes=or_zeros(d.step_transient_bytes if d else None, n),
     )
+
+
+def or_zeros(values: np.ndarray | None, n: int) -> np.ndarray:
+    """A per-chunk array, or zeros where the cost table has none (explicit costs)."""
+    return np.zeros(n) if values is None else np.asarray(values, dtype=float)

@@ -78,6 +78,7 @@ def simulation_summary(result: SimResult) -> dict[str, Any]:
         "microbatches": sched.num_microbatches,
         "actions": sched.num_actions,
         "makespan_s": result.makespan_s,
+        "step_time_s": result.step_time_s,
         "bubble_ratio": result.bubble_ratio,
         "peak_activation_bytes": [float(x) for x in result.peak_activation_bytes],
         "peak_hbm_bytes": [float(x) for x in result.peak_hbm_bytes],
@@ -85,8 +86,11 @@ def simulation_summary(result: SimResult) -> dict[str, Any]:
         "hbm_capacity_bytes": costs.hbm_bytes if costs.hbm_bytes != float("inf") else None,
         "oom": result.oom,
         **fit_fields(result),
+        "peak_at": [moment.as_dict() for moment in result.peak_at],
         "sim_wall_s": result.sim_wall_s,
     }
+    if costs.step_tail_s is not None:  # per rank: DP reduction + optimizer step after its last action
+        out["step_tail_s"] = [float(x) for x in costs.step_tail_s]
     if result.stall_s is not None and result.stall_s.any():
         out["offload_stall_s"] = [float(x) for x in result.stall_s]
     if result.peak_dram_bytes is not None and (result.peak_dram_bytes.any() or result.peak_nvme_bytes.any()):

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -34,6 +35,9 @@ def test_simulate_default_writes_everything(tmp_path):
     timeline = pd.read_csv(out / "timeline.csv")
     assert list(timeline.columns) == ["rank", "stage", "microbatch", "kind", "start_s", "end_s"]
     assert timeline["end_s"].max() == pytest.approx(summary["makespan_s"])
+    # the step ends when the last rank's data-parallel reduction and optimizer step (after its last action) do
+    ends = timeline.groupby("rank")["end_s"].max().to_numpy() + np.asarray(summary["step_tail_s"])
+    assert ends.max() == pytest.approx(summary["step_time_s"])
     trace = json.loads((out / "trace.json").read_text())
     slices = [e for e in trace["traceEvents"] if e["ph"] == "X" and e.get("tid") == 0]
     assert len(slices) == len(timeline)

@@ -90,7 +90,7 @@ def test_a_copy_order_changed_by_freezing_is_read_again():
     # interleaved 1F1B with states on the host: freezing moves the optimizer step's weight copies
     # past some prefetches, so the first LP's copy order is not the planned step's
     overrides = {"pipeline.schedule": "interleaved-1f1b", "pipeline.virtual_stages": 2,
-                 "memory.offload_activations": 0.6, "memory.prefetch_lookahead": 2, "freeze.cap": 0.5,
+                 "memory.offload_activations": 0.6, "memory.prefetch_lookahead": 2, "freeze.cap": 0.9,
                  "memory.optimizer": "dram", "memory.master_weights": "dram"}
     plan = plan_scenario(load_scenario(LLAMA70, overrides), baselines=False)
     assert plan.order_rounds >= 2

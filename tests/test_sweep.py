@@ -63,8 +63,10 @@ def test_config_ids_are_stable():
 
 def test_sweep_cli_writes_table_plots_and_freeze_speedups(tmp_path, capsys):
     out = tmp_path / "sw"
+    # with runtime memory and allocator fragmentation counted (docs/cost-model.md) the 8B setting needs the
+    # 96 GB H100 (93.6 GiB usable) rather than the 80 GB one
     argv = ["sweep", EIGHT_B, "--grid", "pipeline.microbatches=4,8", "--grid", "freeze.cap=0,0.9",
-            "--jobs", "2", "--out", str(out)]
+            "--grid", "device.hbm_gib=93.6", "--jobs", "2", "--out", str(out)]
     assert main(argv) == 0
     assert {"sweep.csv", "pareto.png", "heatmap.png"} <= {p.name for p in out.iterdir()}
     df = pd.read_csv(out / "sweep.csv")

@@ -1,0 +1,85 @@
+"""Activation bytes per layer and microbatch on one tensor-parallel rank (Korthikanti et al. 2022, §4).
+
+Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198) count, for
+a GPT layer in 16-bit with dropout and eager attention, sbh(34 + 5as/h) bytes: 11sbh + 5as²b in attention
+(QKV input 2, Q and K 4, V 2, output-projection input 2, its dropout mask 1; softmax output 2as²b, its dropout
+mask as²b, the dropout output 2as²b), 19sbh in the MLP (input 2, GeLU input 8, fc2 input 8, dropout mask 1)
+and 4sbh in the two LayerNorms. With tensor parallelism the 10sbh of norm inputs, the QKV and MLP inputs and
+the two hidden dropout masks stay whole unless sequence parallelism shards them (Table 2):
+
+    no TP:        sbh(34 + 5as/h)
+    TP:           sbh(10 + 24/t + 5as/(ht))
+    TP + SP:      sbh(34/t + 5as/(ht))
+    + selective:  the 5as²b terms are recomputed (their inputs Q, K, V stay)
+    full:         the layer input only, 2sbh (2sbh/t with SP)
+
+The same count is written here for any element size e, GQA (K and V h_kv wide), any FFN width, LLaMA's SwiGLU
+(four f-wide tensors) and flash attention, which keeps no s² tensor, only the output and an fp32 log-sum-exp
+per head (4·a·s·b bytes), regenerating dropout masks from the RNG state (Dao 2023).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sim.config import Scenario
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}  # fp8 runs keep bf16 activations and weights
+MASK_BYTES = 1  # a dropout mask keeps one byte per element (torch's bool mask; Korthikanti's count)
+LSE_BYTES = 4  # flash attention's fp32 log-sum-exp per query row and head
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """Bytes per layer and microbatch on one TP rank."""
+
+    activation: float  # kept from F until I/B, no recomputation
+    checkpoint: float  # full recomputation keeps the layer input only
+    attention_core: float  # what selective recomputation drops: the softmax/dropout s² tensors (or LSE)
+    weight_stash: float  # what a deferred W keeps after I: its GEMMs' inputs and output gradients
+
+
+def sequence_divisor(sc: Scenario) -> int:
+    """What the replicated tensors (norm inputs, GEMM inputs, hidden dropout masks) divide by: t with SP."""
+    t = sc.parallel.tp
+    return t if sc.parallel.sequence_parallel else 1
+
+
+def mlp_widths(sc: Scenario) -> tuple[int, int]:
+    """(elements kept inside the MLP per token, the up-projection's output width): GeLU keeps its input and
+    the fc2 input (2f); SwiGLU keeps gate, up, SiLU(gate) and gate*up (4f) and projects to 2f."""
+    m = sc.model
+    assert m is not None
+    return (2 * m.ffn_hidden, m.ffn_hidden) if m.architecture == "gpt" else (4 * m.ffn_hidden, 2 * m.ffn_hidden)
+
+
+def layer_memory(sc: Scenario) -> LayerMemory:
+    m, tr, t = sc.model, sc.training, sc.parallel.tp
+    assert m is not None
+    b, s, h, a = tr.micro_batch_size, m.seq_len, m.hidden, m.heads
+    h_kv = m.kv_heads * (h // a)
+    e = DTYPE_BYTES[tr.dtype]
+    mask = MASK_BYTES if tr.dropout > 0 else 0
+    sp = sequence_divisor(sc)
+    mlp_kept, mlp_up = mlp_widths(sc)
+
+    replicated = (4 * e + 2 * mask) * s * b * h  # two norm inputs, QKV and MLP inputs, two hidden dropout masks
+    sharded = e * s * b * (h + 2 * h_kv) + e * s * b * h + e * s * b * mlp_kept  # Q K V, O, MLP
+    if tr.attention == "flash":
+        core = LSE_BYTES * a * s * b
+    else:  # softmax output; with dropout also its mask and output
+        core = e * a * s * s * b + ((MASK_BYTES + e) * a * s * s * b if tr.dropout > 0 else 0)
+    activation = replicated / sp + (sharded + core) / t
+    if sc.memory.activation_model == "megatron":
+        # theoretical_memory_usage.py: sbh(18 + 4f/h) per layer, i.e. Table 2's 34/t with SP (f = 4h);
+        # without SP the 10sbh of replicated tensors do not divide (Table 2, "tensor parallel")
+        per = s * b * h
+        activation = per * (18 + 4 * m.ffn_hidden / h) / t if sp == t else per * (10 + (8 + 4 * m.ffn_hidden / h) / t)
+    stash = e * s * b * (2 * h / sp + (h + m.ffn_hidden) / t  # inputs: QKV and fc1 (replicated), proj, fc2
+                         + (h + 2 * h_kv + mlp_up) / t + 2 * h / sp)  # output grads: QKV, fc1 | proj, fc2
+    return LayerMemory(
+        activation=activation,
+        checkpoint=e * s * b * h / sp,
+        attention_core=core / t,
+        weight_stash=stash,
+    )

@@ -1,0 +1,98 @@
+"""The step's tail after a rank's last backward: data-parallel gradient reduction and the optimizer step.
+
+Per pipeline rank r holding P_r parameters (per TP rank), with d data-parallel replicas over `dp_link`:
+
+    ZeRO 0      all-reduce the fp32 gradients (4 P_r bytes): 2(d-1)/d * 4P_r / bw
+    ZeRO 1, 2   reduce-scatter them ((d-1)/d * 4P_r / bw), step on the 1/d shard, all-gather the updated bf16
+                weights ((d-1)/d * 2P_r / bw; Megatron's distributed optimizer, not overlapped by default)
+    ZeRO 3      reduce-scatter the gradients; the per-layer parameter all-gathers of F and B are prefetched
+                and hidden behind compute (torch FSDP2), so they are not counted
+
+With overlap_grad_reduce the reduction runs bucket by bucket while the backward still computes (Megatron
+--overlap-grad-reduce, torch DDP): buckets become ready during the rank's last backward pass of each of its
+chunks, so what is exposed is max(one bucket's reduction, reduction - that backward time).
+
+The optimizer step is memory-bound: fused Adam reads the fp32 gradient (4) and reads and writes the fp32
+master (8), m (8) and v (8), writes the bf16 weight (2), and the gradient-norm clipping reads the gradient
+again (4): 34 bytes per parameter of the rank's shard; zeroing the gradient buffer writes 4 bytes per local
+gradient. Time = bytes / HBM bandwidth. torch's foreach Adam also allocates one fp32 temporary per parameter
+of the shard while it runs (the step's transient memory); fused kernels allocate none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.comm import Links, all_gather_s, all_reduce_s, dp_link, reduce_scatter_s
+from sim.config import Scenario
+from sim.roofline import DeviceSpec
+
+GRAD_BYTES = 4  # fp32 gradient reduction (Megatron accumulate-allreduce-grads-in-fp32; FSDP reduce_dtype)
+ADAM_STEP_BYTES = 4 + 8 + 8 + 8 + 2 + 4  # grad in, master/m/v in+out, bf16 weight out, clip-norm read
+SGD_STEP_BYTES = 4 + 8 + 4 + 2 + 4  # grad in, master in+out, momentum in+out, bf16 out, clip-norm read
+ZERO_GRAD_BYTES = 4
+FOREACH_TEMP_BYTES = 4  # torch _multi_tensor_adam: sqrt(v) temporary in fp32
+BUCKET_PARAMS = 40_000_000  # Megatron DDP: bucket_size = max(40M, 1M * dp) parameters
+
+
+@dataclass(frozen=True)
+class StepTail:
+    tail_s: np.ndarray  # per rank: exposed DP communication + optimizer step
+    comm_s: np.ndarray  # per rank: exposed DP communication alone
+    optimizer_s: np.ndarray  # per rank
+    transient_bytes_per_chunk: np.ndarray  # HBM the step allocates while it runs
+
+
+def effective_zero(sc: Scenario) -> int:
+    """The ZeRO stage in force: parallel.zero, or 1 for training.distributed_optimizer."""
+    return max(sc.parallel.zero, 1 if sc.training.distributed_optimizer else 0)
+
+
+def chunk_ranks(sc: Scenario) -> np.ndarray:
+    """The rank each chunk sits on under the scenario's schedule (loop or V placement), read from the schedule
+    itself built for one microbatch; loop placement if the schedule cannot be built that small."""
+    from sim.errors import ScheduleError
+    from sim.schedules import build_schedule
+
+    p, v = sc.pipeline.stages, sc.pipeline.virtual_stages
+    try:
+        return np.asarray(build_schedule(sc.pipeline.schedule, p, 1, v).stage_to_rank)
+    except ScheduleError:
+        return np.arange(p * v) % p
+
+
+def step_tail(sc: Scenario, dev: DeviceSpec, links: Links, params: np.ndarray, backward_s: np.ndarray,
+              n_ranks: int) -> StepTail:
+    chunk_rank = chunk_ranks(sc)
+    p_rank = np.zeros(n_ranks)
+    np.add.at(p_rank, chunk_rank, params)
+    window = np.zeros(n_ranks)
+    np.add.at(window, chunk_rank, backward_s)  # one microbatch's backward of every chunk on the rank
+    d, zero = sc.parallel.dp, effective_zero(sc)
+    link = dp_link(sc, links)
+    grads = GRAD_BYTES * p_rank
+    if zero == 0:
+        reduce = np.array([all_reduce_s(g, d, link) for g in grads])
+        bucket = np.array([all_reduce_s(GRAD_BYTES * min(max(BUCKET_PARAMS, 1e6 * d), pr), d, link) for pr in p_rank])
+    else:
+        reduce = np.array([reduce_scatter_s(g, d, link) for g in grads])
+        bucket = np.array([reduce_scatter_s(GRAD_BYTES * min(max(BUCKET_PARAMS, 1e6 * d), pr), d, link)
+                           for pr in p_rank])
+    exposed = np.maximum(bucket, reduce - window) if sc.parallel.overlap_grad_reduce else reduce
+    exposed = np.where(d > 1, exposed, 0.0)
+    gather = np.array([all_gather_s(2 * pr, d, link) for pr in p_rank]) if zero in (1, 2) else np.zeros(n_ranks)
+    shard = p_rank / d if zero >= 1 else p_rank
+    local_grads = p_rank / d if zero >= 2 else p_rank
+    per_param = ADAM_STEP_BYTES if sc.training.optimizer == "adam" else SGD_STEP_BYTES
+    on_gpu = sc.memory.optimizer == "hbm"
+    opt = (shard * per_param + local_grads * ZERO_GRAD_BYTES) / dev.hbm_bps if on_gpu else np.zeros(n_ranks)
+    temp_per_param = FOREACH_TEMP_BYTES if (sc.training.optimizer_impl == "foreach" and on_gpu) else 0
+    shard_chunk = params / d if zero >= 1 else params
+    return StepTail(
+        tail_s=exposed + gather + opt,
+        comm_s=exposed + gather,
+        optimizer_s=opt,
+        transient_bytes_per_chunk=shard_chunk * temp_per_param,
+    )

@@ -1,0 +1,59 @@
+"""Memory a real job pays beyond weights, states and activations (per GPU).
+
+    CUDA context         the driver's context and loaded kernels, outside the caching allocator
+                         (devices.toml cuda_context_mib)
+    cuBLAS workspace     one per (handle, stream); PyTorch's default is 32 MiB on Hopper and 8.125 MiB before
+                         (aten/src/ATen/cuda/CublasHandlePool.cpp); compute and communication streams: 2
+    NCCL buffers         per communicator, NCCL_BUFFSIZE (default 4 MiB, NCCL environment-variable docs) for
+                         each of the send and receive sides of each channel; NCCL opens up to 16 channels
+                         per communicator on NVLink systems by default (NCCL_MAX_NCHANNELS ... ), so
+                         2 * 16 * 4 MiB = 128 MiB per communicator this rank uses (TP, PP, DP)
+    FSDP (ZeRO-3)        the all-gathered bf16 parameters of the current and the prefetched layer and the
+                         current layer's fp32 unsharded gradient before its reduce-scatter (torch FSDP2)
+    data-parallel bucket with ZeRO-2/3 the gradient bucket being reduced (Megatron: max(40M, 1M * dp)
+                         parameters, distributed_data_parallel.py) is fp32 and unsharded
+    loss transient       while the last chunk's backward starts, the bf16 logits' gradient and the fp32
+                         working copy of the cross-entropy over V/t (Megatron's vocab-parallel cross entropy)
+"""
+
+from __future__ import annotations
+
+from sim.activations import DTYPE_BYTES
+from sim.config import Scenario
+from sim.data_parallel import effective_zero
+
+MIB = 2**20
+NCCL_BUFFSIZE_BYTES = 4 * MIB  # NCCL_BUFFSIZE default
+NCCL_CHANNELS = 16
+CUBLAS_STREAMS = 2  # compute + communication stream each get a cuBLAS workspace
+BUCKET_PARAMS = 40_000_000  # Megatron DDP bucket: max(40M, 1M * dp) parameters
+
+
+def nccl_communicators(sc: Scenario) -> int:
+    """Communicators one rank uses: TP group, pipeline neighbours (one per direction), DP group."""
+    p = sc.pipeline.stages
+    return int(sc.parallel.tp > 1) + (2 if p > 2 else int(p > 1)) + int(sc.parallel.dp > 1)
+
+
+def runtime_bytes(sc: Scenario, dev: dict[str, float], layer_params: float) -> float:
+    """Per rank: context, workspaces, communication buffers and ZeRO-2/3 working buffers (`layer_params`: one
+    layer's parameters on this TP rank)."""
+    total = 0.0
+    if sc.memory.runtime_overheads:
+        total += dev["cuda_context_mib"] * MIB + CUBLAS_STREAMS * dev["cublas_workspace_mib"] * MIB
+        total += nccl_communicators(sc) * 2 * NCCL_CHANNELS * NCCL_BUFFSIZE_BYTES
+    zero, dp = effective_zero(sc), sc.parallel.dp
+    e = DTYPE_BYTES[sc.training.dtype]
+    if zero >= 2 and dp > 1:
+        total += 4 * max(BUCKET_PARAMS, 1_000_000 * dp)
+    if zero == 3 and dp > 1:
+        total += 2 * e * layer_params + 4 * layer_params
+    return total
+
+
+def loss_transient_bytes(sc: Scenario) -> float:
+    """Extra HBM while the last chunk's backward starts: bf16 + fp32 copies of the logits' gradient."""
+    m = sc.model
+    assert m is not None
+    tokens = sc.training.micro_batch_size * m.seq_len
+    return (DTYPE_BYTES[sc.training.dtype] + 4) * tokens * m.vocab / sc.parallel.tp

@@ -1,0 +1,237 @@
+"""The issue-12 cost model against independent numbers: Korthikanti et al.'s closed forms, Megatron-LM's
+parameter and memory formulas, Narayanan et al.'s FLOP count, hand-computed collectives and rooflines."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from sim.activations import layer_memory
+from sim.comm import Link, all_gather_s, all_reduce_s, build_links, dp_link, p2p_link, tp_link
+from sim.config import load_scenario, parse_scenario
+from sim.cost_model import bytes_per_param, device_spec
+from sim.costs import build_cost_table
+from sim.errors import ScenarioError
+from sim.layer_split import balanced_split, even_split
+from sim.roofline import gemm_efficiency, wave_efficiency
+from sim.step import simulate_scenario
+
+# GPT-3 175B as Korthikanti et al. Table 3 run it: a = 96, h = 12288, L = 96, s = 2048, t = 8, p = 8, b = 1
+GPT175 = {"architecture": "gpt", "layers": 96, "hidden": 12288, "heads": 96, "vocab": 51200, "seq_len": 2048}
+
+
+def gpt(model=None, training=None, parallel=None, pipeline=None, memory=None, device=None):
+    raw = {
+        "pipeline": {"stages": 8, "microbatches": 8, **(pipeline or {})},
+        "model": {**GPT175, **(model or {})},
+        "training": {"attention": "eager", "dropout": 0.1, **(training or {})},
+        "parallel": {"tp": 8, "sequence_parallel": False, **(parallel or {})},
+        "device": {"preset": "A100-80GB", **(device or {})},
+        "memory": memory or {},
+    }
+    return parse_scenario(raw)
+
+
+SBH = 2048 * 1 * 12288
+S2 = 5 * 96 * 2048 / 12288  # 5as/h
+
+
+@pytest.mark.parametrize(("parallel", "expected"), [
+    ({"tp": 1}, 34 + S2),  # Table 2, no parallelism
+    ({"tp": 8}, 10 + 24 / 8 + S2 / 8),  # tensor parallel
+    ({"tp": 8, "sequence_parallel": True}, 34 / 8 + S2 / 8),  # tensor + sequence parallel
+])
+def test_activation_bytes_are_korthikanti_table_2(parallel, expected):
+    assert layer_memory(gpt(parallel=parallel)).activation == pytest.approx(SBH * expected, rel=1e-12)
+
+
+def test_selective_recomputation_drops_exactly_the_5as2b_terms():
+    # Table 2: TP + selective = sbh(10 + 24/t); TP + SP + selective = sbh(34/t)
+    mem = layer_memory(gpt())
+    assert mem.activation - mem.attention_core == pytest.approx(SBH * (10 + 24 / 8))
+    mem = layer_memory(gpt(parallel={"sequence_parallel": True}))
+    assert mem.activation - mem.attention_core == pytest.approx(SBH * 34 / 8)
+
+
+def test_full_recomputation_keeps_2sbh_per_layer_without_sp_and_2sbh_over_t_with_it():
+    assert layer_memory(gpt()).checkpoint == 2 * SBH  # Megatron stores the whole layer input at TP w/o SP
+    assert layer_memory(gpt(parallel={"sequence_parallel": True})).checkpoint == 2 * SBH / 8
+
+
+def test_flash_keeps_no_s_squared_tensor_and_no_dropout_keeps_no_mask():
+    flash = layer_memory(gpt(parallel={"tp": 1}, training={"attention": "flash"}))
+    assert flash.activation == pytest.approx(34 * SBH + 4 * 96 * 2048)  # + the fp32 log-sum-exp
+    clean = layer_memory(gpt(parallel={"tp": 1}, training={"attention": "flash", "dropout": 0.0}))
+    assert flash.activation - clean.activation == 2 * SBH  # two hidden dropout masks, one byte per element
+    eager = layer_memory(gpt(parallel={"tp": 1}, training={"dropout": 0.0}))
+    assert eager.attention_core == 2 * 96 * 2048**2  # the softmax output alone, 2as^2b
+
+
+def test_megatron_activation_model_honours_sequence_parallel_off():
+    off = layer_memory(gpt(memory={"activation_model": "megatron"}, training={"attention": "flash"}))
+    on = layer_memory(gpt(memory={"activation_model": "megatron"}, parallel={"sequence_parallel": True}))
+    assert off.activation == pytest.approx(SBH * (10 + 24 / 8))  # f = 4h
+    assert on.activation == pytest.approx(SBH * 34 / 8)  # theoretical_memory_usage.py: sbh(18 + 4f/h)/t
+
+
+def test_zero_bubble_weight_stash_is_32sbh():
+    # Qi et al. 2024, Table 1: W needs 32sbh (its GEMMs' inputs and output gradients), B 34sbh + 5as^2b
+    assert layer_memory(gpt(parallel={"tp": 1})).weight_stash == 32 * SBH
+
+
+def test_gpt_parameters_are_narayanans_count():
+    # Narayanan et al. 2021, eq. (2): P = 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)); plus the final LayerNorm
+    sc = gpt(parallel={"tp": 1}, pipeline={"stages": 1})
+    l, h, v, s = 96, 12288, 51200, 2048
+    expected = 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h)) + 2 * h
+    assert build_cost_table(sc).params.sum() == pytest.approx(expected, rel=1e-12)
+
+
+def test_first_stage_states_match_megatron_theoretical_memory_usage():
+    # megatron/training/theoretical_memory_usage.py (it omits linear biases): most loaded shard =
+    # (block params / p + embedding) / t + replicated layernorms / p; 18 bytes per parameter
+    sc = gpt(pipeline={"stages": 8, "microbatches": 8})
+    h, f, l, v, p, t = 12288, 4 * 12288, 96, 51200, 8, 8
+    block = (4 * h * h + 2 * h * f) * l
+    shard = (block / p + v * h) / t + 4 * h * l / p
+    biases = (l / p) * ((3 * h + f) / t + 2 * h)  # QKV and fc1 biases shard over t, proj and fc2 biases do not
+    first = build_cost_table(sc).params[0] - 2048 * h - biases  # Megatron counts no biases, no positions
+    assert first == pytest.approx(shard, rel=1e-12)
+    assert build_cost_table(sc).static_bytes[0] == pytest.approx(build_cost_table(sc).params[0] * 18)
+
+
+def test_zero_stages_shard_states_over_dp():
+    assert bytes_per_param(gpt(parallel={"dp": 4, "zero": 1})) == 6 + 12 / 4  # Megatron distributed optimizer
+    assert bytes_per_param(gpt(parallel={"dp": 4, "zero": 2})) == 2 + 16 / 4
+    assert bytes_per_param(gpt(parallel={"dp": 4, "zero": 3}, pipeline={"stages": 1})) == 16 / 4  # FSDP2
+    # with a pipeline FSDP keeps the gathered bf16 weights and accumulates unsharded bf16 gradients
+    assert bytes_per_param(gpt(parallel={"dp": 4, "zero": 3})) == 16 / 4 + 2 + 2
+
+
+def test_uneven_layers_126_over_16_chunks():
+    counts = even_split(126, 16)
+    assert sum(counts) == 126 and sorted(counts) == [7, 7] + [8] * 14
+    assert counts[-1] == 7 and counts[0] == 7  # the LM-head and embedding chunks give up a layer first
+    assert even_split(30, 4, embedding_slot=True, loss_slot=True) == [7, 8, 8, 7]  # Megatron's accounting
+
+
+def test_126_layers_over_8_stages_and_2_virtual_stages_simulate():
+    sc = load_scenario(None, {"model.layers": 126, "pipeline.stages": 8, "pipeline.virtual_stages": 2,
+                              "pipeline.schedule": "interleaved-1f1b", "pipeline.microbatches": 16})
+    table = build_cost_table(sc)
+    assert table.detail.layers.sum() == 126
+    assert simulate_scenario(sc).makespan_s > 0
+
+
+def test_balanced_split_is_optimal_by_brute_force():
+    extra = [0.5, 0.0, 0.0, 2.2]
+    counts = balanced_split(10, 1.0, extra)
+    best = min(
+        max(n * 1.0 + x for n, x in zip(split, extra, strict=True))
+        for split in np.ndindex(11, 11, 11, 11) if sum(split) == 10
+    )
+    assert sum(counts) == 10
+    assert max(n + x for n, x in zip(counts, extra, strict=True)) == best
+
+
+def test_hf_config_json_fills_the_model(tmp_path):
+    cfg = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+           "max_position_embeddings": 8192, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "s.toml").write_text('[pipeline]\nstages = 4\nmicrobatches = 8\n[model]\nconfig = "config.json"\n')
+    sc = load_scenario(tmp_path / "s.toml")
+    assert build_cost_table(sc).params.sum() == 8_030_261_248  # Meta's published Llama 3 8B count
+    sc = load_scenario(tmp_path / "s.toml", {"model.seq_len": 4096})
+    assert sc.model.seq_len == 4096  # explicit keys win
+    (tmp_path / "bad.toml").write_text('[pipeline]\nstages = 1\nmicrobatches = 1\n[model]\nconfig = "nope.json"\n')
+    with pytest.raises(ScenarioError, match=r"model\.config: file .*nope\.json not found"):
+        load_scenario(tmp_path / "bad.toml")
+
+
+def test_ring_collectives_closed_forms():
+    link = Link(100e9, 5e-6)
+    assert all_reduce_s(8e9, 8, link) == pytest.approx(14 * 5e-6 + 2 * 7 / 8 * 8e9 / 100e9)
+    assert all_gather_s(8e9, 8, link) == pytest.approx(7 * 5e-6 + 7 / 8 * 8e9 / 100e9)
+    assert all_reduce_s(8e9, 1, link) == 0.0
+
+
+def test_links_follow_placement():
+    sc = gpt(parallel={"tp": 8, "dp": 4}, device={"preset": "H100-SXM-80GB"})
+    links = build_links(sc, sc.device.resolved())
+    assert tp_link(sc, links).bytes_per_s == 450e9  # TP 8 fills one 8-GPU node: NVLink
+    assert p2p_link(sc, links).bytes_per_s == 50e9  # each stage is its own node: 400 Gb/s NDR
+    assert dp_link(sc, links).bytes_per_s == 50e9
+    small = gpt(parallel={"tp": 2, "dp": 2}, pipeline={"stages": 2})
+    small_links = build_links(small, small.device.resolved())
+    assert p2p_link(small, small_links).bytes_per_s == 300e9  # 2 x 2 x 2 = 8 ranks: one A100 node
+    assert dp_link(small, small_links).bytes_per_s == 300e9
+
+
+def test_wave_quantisation_and_efficiency_rising_with_gemm_size():
+    assert wave_efficiency(256, 128 * 133, 132) == pytest.approx(133 / 264)  # one tile into a second wave
+    dev = device_spec(load_scenario())
+    effs = [gemm_efficiency(n, n, dev) for n in (256, 1024, 4096, 16384)]
+    assert effs == sorted(effs) and effs[0] < 0.1 and effs[-1] > 0.65
+    flat = device_spec(load_scenario(None, {"device.efficiency": 0.5}))
+    assert gemm_efficiency(256, 256, flat) == 0.5
+
+
+def test_eager_attention_is_slower_and_keeps_more_than_flash():
+    flash = build_cost_table(gpt(training={"attention": "flash"}))
+    eager = build_cost_table(gpt())
+    assert (eager.forward_s > flash.forward_s).all()
+    assert (eager.activation_bytes > flash.activation_bytes).all()
+
+
+def test_fp8_needs_a_device_with_fp8():
+    with pytest.raises(ScenarioError, match="fp8"):
+        build_cost_table(gpt(training={"dtype": "fp8"}))
+    h100 = {"preset": "H100-SXM-80GB"}
+    assert build_cost_table(gpt(training={"dtype": "fp8"}, device=h100)).forward_s.sum() < \
+        build_cost_table(gpt(device=h100)).forward_s.sum()
+
+
+def test_data_parallel_tail_is_the_exposed_reduction_plus_the_memory_bound_step():
+    sc = gpt(parallel={"tp": 8, "dp": 4, "overlap_grad_reduce": False}, pipeline={"stages": 8})
+    table = build_cost_table(sc)
+    links = build_links(sc, sc.device.resolved())
+    p_rank = table.params  # one chunk per rank
+    hbm = sc.device.resolved()["hbm_gbps"] * 1e9
+    expected = [all_reduce_s(4 * pr, 4, dp_link(sc, links)) + (34 + 4) * pr / hbm for pr in p_rank]
+    np.testing.assert_allclose(table.step_tail_s, expected)
+    overlapped = build_cost_table(gpt(parallel={"tp": 8, "dp": 4}, pipeline={"stages": 8}))
+    assert (overlapped.step_tail_s < table.step_tail_s).all()
+
+
+def test_zb_h1_pays_for_deferred_w_and_zb_2p_for_twice_the_warm_up():
+    def peak(schedule):
+        sc = gpt(pipeline={"schedule": schedule, "microbatches": 16}, training={"attention": "flash"})
+        return simulate_scenario(sc).peak_activation_bytes
+
+    one, h1, two = peak("1f1b"), peak("zb-h1"), peak("zb-2p")
+    assert h1[-1] > one[-1] and h1[0] == pytest.approx(one[0])  # rank 0 defers no W; the last rank p-1
+    assert 1.7 < two.max() / one.max() < 2.1  # the paper: ZB-2p needs about 2x 1F1B's activation memory
+
+
+def test_summary_says_when_the_peak_happens_and_what_is_live():
+    from sim.trace import simulation_summary
+
+    summary = simulation_summary(simulate_scenario(load_scenario(None, {"training.optimizer_impl": "foreach"})))
+    assert summary["fits"] is (not summary["oom"])
+    for rank, moment in enumerate(summary["peak_at"]):
+        assert moment["rank"] == rank
+        parts = moment["static_bytes"] + moment["activation_bytes"] + moment["step_bytes"]
+        assert parts == pytest.approx(summary["peak_hbm_bytes"][rank])
+
+
+def test_step_tail_follows_the_schedules_placement():
+    # ZB-V puts the first and the last chunk (embedding, LM head) both on rank 0, so rank 0 reduces the most
+    sc = load_scenario(None, {"pipeline.schedule": "zbv", "pipeline.virtual_stages": 2, "parallel.dp": 4,
+                              "parallel.overlap_grad_reduce": False})
+    table = build_cost_table(sc)
+    rank_params = [table.params[r] + table.params[2 * 4 - 1 - r] for r in range(4)]
+    assert np.argmax(table.step_tail_s) == np.argmax(rank_params) == 0
+    assert table.step_tail_s[0] > table.step_tail_s[1]
