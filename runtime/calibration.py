@@ -14,13 +14,17 @@ Two more things a real step spends that the durations miss, both read off the sa
                already there (Python dispatch, P2P bookkeeping, preemption). Added to each action: to F, I
                and W when the schedule splits its backward, half to each of I and W when it runs B.
 
-A ping-pong between neighbouring ranks (runtime/profile.py) is kept for reference; it is a lower bound.
+A ping-pong between neighbouring ranks (runtime/profile.py) is kept for reference; it is a lower bound,
+so p2p_s is never set below it. Every cross-rank gap is read on one clock (runtime/clock.py: each rank's
+timeline mapped onto rank 0's), so a rank that left the step's barrier late no longer looks like a fast
+(or negative) transfer.
 """
 
 from __future__ import annotations
 
 import statistics
 
+from runtime.clock import aligned_actions
 from runtime.train import StepRecord
 from sim.errors import PipeplanError
 from sim.graph import cross_stage_input
@@ -63,6 +67,23 @@ def action_gaps(step_traces: list[list[tuple[Action, float, float]]], schedule: 
     return comm, local
 
 
+def dependency_gaps(step_traces: list[list[tuple[Action, float, float]]], schedule: Schedule) -> list[float]:
+    """Consumer start minus producer end for every cross-rank dependency of one step (negative: the
+    consumer seems to start before its input existed, which on one clock is at most the clock's error)."""
+    ends: dict[tuple[int, str, int], float] = {}
+    for actions in step_traces:
+        for a, _s, e in actions:
+            if a.kind is not Kind.W:
+                ends[(a.stage, "F" if a.kind is Kind.F else "BI", a.microbatch)] = e
+    gaps = []
+    for rank, actions in enumerate(step_traces):
+        for a, start, _end in actions:
+            src = input_of(a, schedule.num_stages)
+            if src is not None and schedule.stage_to_rank[src[0]] != rank:
+                gaps.append(start - ends[(src[0], "F" if a.kind is Kind.F else "BI", src[1])])
+    return gaps
+
+
 def chunk_costs(ranks: list[dict], schedule: Schedule, ping_pong_s: float | None) -> dict:
     """Per-chunk costs and the effective p2p_s from every rank's history (runtime/worker.py's records)."""
     n = schedule.num_stages
@@ -77,7 +98,7 @@ def chunk_costs(ranks: list[dict], schedule: Schedule, ping_pong_s: float | None
         if rec.step not in keep:
             continue
         per_rank = [r["history"][i] for r in ranks]
-        c, lo = action_gaps([list(r.trace.actions) for r in per_rank], schedule)
+        c, lo = action_gaps(aligned_actions(ranks, i), schedule)
         comm += c
         local += lo
         for r in per_rank:
@@ -95,7 +116,7 @@ def chunk_costs(ranks: list[dict], schedule: Schedule, ping_pong_s: float | None
     overhead = float(statistics.fmean(local)) if local else 0.0
     split = schedule.uses_split_backward
     per_backward = overhead if split else overhead / 2
-    p2p = float(statistics.fmean(comm)) if comm else (ping_pong_s or 0.0)
+    p2p = max(float(statistics.fmean(comm)) if comm else 0.0, ping_pong_s or 0.0)  # ping-pong: a lower bound
     return {
         "forward_s": [mean(s, "F") + overhead for s in range(n)],
         "backward_input_s": [mean(s, "I") + per_backward for s in range(n)],

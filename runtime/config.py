@@ -73,6 +73,8 @@ class RunConfig:
     fail_rank: int | None = None
     """Testing aid: this rank raises at the start of step `fail_step`."""
     fail_step: int = 0
+    clock_skew_s: float = 0.0
+    """Testing aid: seconds added to the host clock of every rank but 0, as another node's clock would be."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:

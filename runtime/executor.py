@@ -9,7 +9,9 @@
     W(s, mb)   runs what I(s, mb) queued.
 
 Each action's start is taken once its inputs have arrived and its end when its compute is done (a monotonic
-clock on the CPU, CUDA events on the GPU), relative to the step's start, in the simulator's trace schema.
+clock on the CPU, CUDA events on the GPU), relative to the step's start, in the simulator's trace schema;
+the step's start is also kept on the host clock (`StepTrace.t0_s`), so that runtime/clock.py can put every
+rank's times on rank 0's clock.
 Saved-activation bytes are metered per chunk-microbatch (runtime/memory.py) from F until B/I frees them,
 plus what I queued for W, giving a per-rank live-activation timeline.
 """
@@ -17,8 +19,9 @@ plus what I queued for W, giving a per-rank live-activation timeline.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,27 +30,40 @@ from runtime.memory import SavedTensors, param_storages
 from runtime.model import cross_entropy
 from runtime.p2p import P2P, Message, input_message
 from runtime.split_backward import WeightGradStore
+from runtime.streams import CopyStream
 from sim.ir import Action, Kind, Schedule
 
 LOOKAHEAD = 2  # receives posted for this many upcoming actions
+PREFETCH_BACKWARDS = 2  # offloaded activations come back for this many upcoming backwards (as sim.memory)
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> torch.autocast:
+    """Autocast to `dtype` on this device type (CPU or CUDA, the same way); a no-op context for None."""
+    return torch.autocast(device.type, dtype or torch.float32, enabled=dtype is not None)
 
 
 class Clock:
-    """Marks on a monotonic clock (CPU) or CUDA events, read as seconds since `start()`."""
+    """Marks on a monotonic clock (CPU) or CUDA events, read as seconds since `start()`; `host_t0` is the
+    start on the host clock `now` (on CUDA the device is idle at the start, so its first event runs then)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, now: Callable[[], float] = time.perf_counter):
         self.cuda = device.type == "cuda"
+        self.now = now
         self.t0: float | torch.cuda.Event = 0.0
+        self.host_t0 = 0.0
 
     def mark(self):
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
-        return time.perf_counter()
+        return self.now()
 
     def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
         self.t0 = self.mark()
+        self.host_t0 = self.now() if self.cuda else self.t0
 
     def seconds(self, mark) -> float:
         if self.cuda:
@@ -66,32 +82,49 @@ class StepTrace:
     memory: list[tuple[float, int, int]] = field(default_factory=list)  # (time_s, live device, live host bytes)
     activation_bytes: dict[int, list[int]] = field(default_factory=dict)  # stage -> saved bytes per F
     offloaded_bytes: int = 0
+    prefetched_bytes: int = 0  # of those, brought back ahead of their backward (the rest on demand)
     peak_activation_bytes: int = 0
-    peak_device_bytes: int | None = None  # CUDA allocator peak
+    peak_device_bytes: int | None = None  # CUDA allocator peak over the step, optimizer step included
+    t0_s: float = 0.0  # the step's start on this rank's host clock (runtime/clock.py aligns ranks with it)
+
+    def to_plain(self) -> dict[str, Any]:
+        """Primitives only (actions as their strings): what a weights_only checkpoint can hold."""
+        return {"actions": [(str(a), s, e) for a, s, e in self.actions],
+                "split": [(str(a), s, e) for a, s, e in self.split], "losses": dict(self.losses),
+                "memory": list(self.memory), "activation_bytes": dict(self.activation_bytes),
+                "offloaded_bytes": self.offloaded_bytes, "prefetched_bytes": self.prefetched_bytes,
+                "peak_activation_bytes": self.peak_activation_bytes,
+                "peak_device_bytes": self.peak_device_bytes, "t0_s": self.t0_s}
+
+    @classmethod
+    def from_plain(cls, d: dict[str, Any]) -> StepTrace:
+        return cls(**{**d, "actions": [(Action.parse(a), s, e) for a, s, e in d["actions"]],
+                      "split": [(Action.parse(a), s, e) for a, s, e in d["split"]]})
 
 
 class PipelineExecutor:
     def __init__(self, schedule: Schedule, rank: int, chunks: Mapping[int, nn.Module], p2p: P2P,
                  device: torch.device, offload_share: float | Mapping[int, float] = 0.0,
                  profile_backward: bool = False,
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None, now: Callable[[], float] = time.perf_counter):
         """`chunks` maps each stage this rank holds to its module; `profile_backward` runs every B as I then
         W back to back and reports both (pipeplan profile); `offload_share` of saved activations goes to host
         (one share, or one per stage);
-        `autocast_dtype` (CUDA only) runs the forwards in bf16/fp16 autocast — weights, gradients and the
-        activations that cross stages stay fp32."""
+        `autocast_dtype` runs the forwards in bf16/fp16 autocast, on the CPU and CUDA alike (the backward
+        replays the forward's casts) — the fp32 weights are the master copy, gradients accumulate in fp32,
+        and the activations that cross stages are fp32 (residual adds promote)."""
         self.schedule, self.rank, self.chunks, self.p2p, self.device = schedule, rank, dict(chunks), p2p, device
         self.actions = schedule.ranks[rank]
         self.num_stages, self.m = schedule.num_stages, schedule.num_microbatches
         self.offload_share = {s: float(offload_share if isinstance(offload_share, int | float) else offload_share[s])
                               for s in self.chunks}
         self.profile_backward = profile_backward
-        self.clock = Clock(device)
+        self.clock = Clock(device, now)
         self.param_ptrs = {s: param_storages(c) for s, c in self.chunks.items()}
         self.params = {s: dict(c.named_parameters()) for s, c in self.chunks.items()}
         offloads = any(x > 0 for x in self.offload_share.values())
-        self.offload_stream = torch.cuda.Stream(device) if offloads and device.type == "cuda" else None
-        self.autocast_dtype = autocast_dtype if device.type == "cuda" else None
+        self.offload_stream = CopyStream(device) if offloads else None
+        self.autocast_dtype = autocast_dtype
 
     # ---- one step ------------------------------------------------------------------------------
     def run_step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
@@ -110,10 +143,9 @@ class PipelineExecutor:
         self.split_marks: list[tuple[Action, object, object]] = []
         self.memory_marks: list[tuple[object, int, int]] = []
         self._activation_log: dict[int, list[int]] = {}
-        self._offloaded = 0
+        self._offloaded = self._prefetched = 0
+        self.meters: dict[tuple[int, int], SavedTensors] = {}  # chunk-microbatches with offloaded tensors
         trace = StepTrace()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
         self.clock.start()
         self.memory_marks.append((self.clock.t0, 0, 0))
         for i, action in enumerate(self.actions):
@@ -121,6 +153,8 @@ class PipelineExecutor:
                 msg = input_message(ahead, self.num_stages)
                 if msg is not None and self.p2p.is_remote(msg):
                     self.p2p.prefetch(msg)
+            if self.meters:
+                self._prefetch_activations(i)
             if action.kind is Kind.F:
                 self._forward(action)
             elif action.kind is Kind.W:
@@ -133,11 +167,25 @@ class PipelineExecutor:
         trace.memory = [(self.clock.seconds(t), d, h) for t, d, h in self.memory_marks]
         trace.peak_activation_bytes = max((d for _, d, _ in trace.memory), default=0)
         trace.losses = {mb: float(v) for mb, v in self.loss_tensors.items()}
-        if self.device.type == "cuda":
-            trace.peak_device_bytes = int(torch.cuda.max_memory_allocated(self.device))
+        trace.t0_s = self.clock.host_t0
         trace.activation_bytes = self._activation_log
         trace.offloaded_bytes = self._offloaded
+        trace.prefetched_bytes = self._prefetched
         return trace
+
+    def _prefetch_activations(self, i: int) -> None:
+        """Bring back the offloaded activations of the next PREFETCH_BACKWARDS backwards (from action i on),
+        on the copy stream, so they are on the device before those backwards unpack them."""
+        upcoming = [a for a in self.actions[i:] if a.kind in (Kind.B, Kind.I)][:PREFETCH_BACKWARDS]
+        for a in upcoming:
+            meter = self.meters.pop((a.stage, a.microbatch), None)
+            if meter is None:
+                continue
+            moved = meter.prefetch()
+            self._prefetched += moved
+            device_bytes, host_bytes = self.saved[(a.stage, a.microbatch)]
+            self.saved[(a.stage, a.microbatch)] = (device_bytes + host_bytes, 0)
+            self._track(self.clock.mark(), host_bytes, -host_bytes)  # back on the device from here
 
     def _input(self, action: Action) -> torch.Tensor | None:
         msg = input_message(action, self.num_stages)
@@ -173,8 +221,7 @@ class PipelineExecutor:
         meter = SavedTensors(self.param_ptrs[a.stage], self.offload_share[a.stage], self.offload_stream)
         start = self.clock.mark()
         try:
-            with meter, torch.autocast("cuda", self.autocast_dtype or torch.float32,
-                                       enabled=self.autocast_dtype is not None):
+            with meter, autocast(self.device, self.autocast_dtype):
                 out = chunk(x)
                 if a.stage == self.num_stages - 1:
                     labels = self.batches[a.microbatch][1].to(self.device, non_blocking=True)
@@ -190,6 +237,8 @@ class PipelineExecutor:
         self.saved[key] = (meter.device_bytes, meter.host_bytes)
         self._activation_log.setdefault(a.stage, []).append(meter.device_bytes + meter.host_bytes)
         self._offloaded += meter.host_bytes
+        if meter.offloaded:
+            self.meters[key] = meter
         self._track(end, meter.device_bytes, meter.host_bytes)
         if a.stage < self.num_stages - 1:
             self._output(Message(False, a.stage, a.microbatch), out)

@@ -32,6 +32,8 @@ import torch
 
 from runtime.config import RunConfig
 
+POLL_S = 0.5
+
 
 @dataclass(frozen=True)
 class Rendezvous:
@@ -64,19 +66,29 @@ def torchrun_command(config_path: str | Path, rdzv: Rendezvous) -> list[str]:
             str(config_path)]
 
 
-def launch(cfg: RunConfig, rdzv: Rendezvous, wall_timeout_s: float | None = None) -> int:
-    """Write the config, run torchrun, return its exit code (workers inherit stdout and stderr)."""
+def launch(cfg: RunConfig, rdzv: Rendezvous, wall_timeout_s: float | None = None,
+           poll: Callable[[], None] | None = None) -> int:
+    """Write the config, run torchrun, return its exit code (workers inherit stdout and stderr); `poll`
+    is called about twice a second while it runs (a progress bar reading `cfg.progress_file`)."""
     with tempfile.TemporaryDirectory(prefix="pipeplan-run-") as tmp:
         path = Path(tmp) / "run.json"
         cfg.save(path)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(cfg.threads))
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-        try:
-            return subprocess.run(torchrun_command(path, rdzv), env=env, timeout=wall_timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            print(f"pipeplan: the job ran past {wall_timeout_s} s and was stopped", file=sys.stderr)
-            return 124
+        deadline = None if wall_timeout_s is None else time.monotonic() + wall_timeout_s
+        with subprocess.Popen(torchrun_command(path, rdzv), env=env) as proc:
+            while True:
+                try:
+                    return proc.wait(timeout=POLL_S)
+                except subprocess.TimeoutExpired:
+                    if deadline is not None and time.monotonic() > deadline:
+                        proc.kill()
+                        proc.wait()
+                        print(f"pipeplan: the job ran past {wall_timeout_s} s and was stopped", file=sys.stderr)
+                        return 124
+                    if poll is not None:
+                        poll()
 
 
 # ---- spawn: in-process launching for tests and scripts -----------------------------------------------

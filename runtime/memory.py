@@ -16,11 +16,14 @@ runtime recomputes:
 `SavedTensors` is a `saved_tensors_hooks` context around each forward. It counts the bytes autograd saves
 for the backward (each storage once; parameters are not activations): the CPU's measure of a chunk's
 activation memory, the simulator's `activation_bytes`. With an offload share > 0 it also moves saved
-tensors to host memory when the forward saves them (until that share of the bytes is offloaded) and back
-when the backward unpacks them: on CUDA into pinned memory on a side stream, so the copy overlaps compute;
-on the CPU into a separate host buffer, which exercises the same path and lets the meter tell
-device-resident from offloaded bytes. The hooks do not see what checkpoint keeps, so the checkpoint
-wrapper reports its input's bytes to the active meter itself.
+tensors to host memory when the forward saves them (until that share of the bytes is offloaded), on the
+copy stream (runtime/streams.py: a CUDA side stream into pinned memory, so the copy overlaps compute; on
+the CPU the same calls inline, into a separate host buffer, which exercises the same path and lets the
+meter tell device-resident from offloaded bytes). They come back ahead of need: the executor calls
+`prefetch()` for a chunk-microbatch a few actions before its backward, which issues the host-to-device
+copies on the copy stream and records an event; the backward's unpack only makes the compute stream wait
+for that event. A tensor not prefetched is copied back when unpacked (counted as `demand_bytes`). The hooks
+do not see what checkpoint keeps, so the checkpoint wrapper reports its input's bytes to the active meter.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from runtime.streams import CopyStream
 from sim.config import Scenario
 from sim.errors import PipeplanError
 from sim.ir import Schedule
@@ -111,16 +115,30 @@ def _checkpointed(forward, x: torch.Tensor, *args):
     return checkpoint(forward, x, *args, use_reentrant=False)
 
 
+class Offloaded:
+    """One saved tensor in host memory: how it left the device, and (once prefetched) its way back."""
+
+    __slots__ = ("back", "back_done", "device", "done", "host")
+
+    def __init__(self, host: torch.Tensor, device: torch.device, done: torch.cuda.Event | None):
+        self.host, self.device, self.done = host, device, done
+        self.back: torch.Tensor | None = None  # the device copy, once prefetch issued it
+        self.back_done: torch.cuda.Event | None = None
+
+
 class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
     """Meter (and offload a share of) what autograd saves inside the context; see the module docstring."""
 
-    def __init__(self, param_ptrs: set[int], offload_share: float = 0.0, stream: torch.cuda.Stream | None = None):
+    def __init__(self, param_ptrs: set[int], offload_share: float = 0.0, stream: CopyStream | None = None):
         self.param_ptrs = param_ptrs
         self.share = offload_share
         self.stream = stream
         self.seen: set[int] = set()
         self.device_bytes = 0  # saved activations that stay on the device
         self.host_bytes = 0  # saved activations moved to host memory
+        self.offloaded: list[Offloaded] = []
+        self.prefetched_bytes = 0  # brought back by prefetch, ahead of the backward
+        self.demand_bytes = 0  # brought back only when the backward asked
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self):
@@ -148,27 +166,41 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
             self.device_bytes += size
             return t
         self.host_bytes += size
-        if t.device.type == "cuda":
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            stream = self.stream or torch.cuda.current_stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                host.copy_(t, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
-            t.record_stream(stream)  # t's memory is not reused before the copy ran
-            return ("offloaded", host, t.device, done)
-        return ("offloaded", t.detach().clone(), t.device, None)
+        if self.stream is None:
+            self.stream = CopyStream(t.device)
+        stream = self.stream
+        host = stream.host_empty(t.shape, t.dtype)
+        stream.wait_for_compute()
+        with stream.use():
+            host.copy_(t.detach(), non_blocking=True)
+        stream.keep_alive(t)  # t's memory is not reused before the copy ran
+        handle = Offloaded(host, t.device, stream.record())
+        self.offloaded.append(handle)
+        return handle
 
-    @staticmethod
-    def _unpack(packed):
-        if not (isinstance(packed, tuple) and packed and packed[0] == "offloaded"):
+    def prefetch(self) -> int:
+        """Issue the copies back to the device for every offloaded tensor not yet on its way; the bytes."""
+        moved = 0
+        for h in self.offloaded:
+            if h.back is not None:
+                continue
+            with self.stream.use():  # after the offload copy: the same stream runs them in order
+                h.back = h.host.to(h.device, non_blocking=True)
+            h.back_done = self.stream.record()
+            moved += h.host.untyped_storage().nbytes()
+        self.prefetched_bytes += moved
+        return moved
+
+    def _unpack(self, packed):
+        if not isinstance(packed, Offloaded):
             return packed
-        _, host, device, done = packed
-        if done is not None:
-            torch.cuda.current_stream().wait_event(done)
-            return host.to(device, non_blocking=True)
-        return host
+        if packed.back is None:  # not prefetched: copy back now, on the compute stream
+            CopyStream.wait(packed.done)
+            self.demand_bytes += packed.host.untyped_storage().nbytes()
+            return packed.host.to(packed.device, non_blocking=True)
+        CopyStream.wait(packed.back_done)
+        CopyStream.hand_over(packed.back)
+        return packed.back
 
 
 def param_storages(module: nn.Module) -> set[int]:

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from runtime.streams import CopyStream
+
 OPTIMIZERS: dict[str, Callable[[list, float], torch.optim.Optimizer]] = {
     "adam": lambda params, lr: torch.optim.Adam(params, lr=lr),
     "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
@@ -18,24 +20,45 @@ class HostOffloadOptimizer:
     """Steps on host copies: gradients go down to the host, the update runs there, weights come back.
 
     The device holds only the weights and their gradients; Adam's moments and the fp32 master copy live in
-    (pinned, on CUDA) host memory — the ZeRO-Offload split of work.
+    host memory — the ZeRO-Offload split of work. Every copy goes through a copy stream
+    (runtime/streams.py): on CUDA a side stream with pinned host buffers, so the gradient downloads are
+    asynchronous DMA issued all at once (one wait before the host reads them, not one per tensor) and the
+    weight uploads run while the host returns to the loop; the compute stream waits for them before the
+    next forward. On the CPU the same calls run inline.
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], make: Callable[[list], torch.optim.Optimizer]):
+    def __init__(self, params: Iterable[nn.Parameter], make: Callable[[list], torch.optim.Optimizer],
+                 stream: CopyStream | None = None):
         self.params = list(params)
-        pin = any(p.is_cuda for p in self.params)
-        self.host = [nn.Parameter(p.detach().to("cpu", torch.float32, copy=True)) for p in self.params]
-        if pin:
-            self.host = [nn.Parameter(h.detach().pin_memory()) for h in self.host]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.stream = stream or CopyStream(device)
+        self.host = [nn.Parameter(self._host_copy(p.detach().float())) for p in self.params]
+        self.grads = [self.stream.host_empty(p.shape, torch.float32) for p in self.params]  # download buffers
         self.inner = make(self.host)
+        self.uploaded: torch.cuda.Event | None = None  # the last weight upload
+
+    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        h = self.stream.host_empty(t.shape, torch.float32)
+        h.copy_(t)
+        return h
 
     @torch.no_grad()
     def step(self) -> None:
-        for p, h in zip(self.params, self.host, strict=True):
-            h.grad = None if p.grad is None else p.grad.to("cpu", torch.float32)
+        self.stream.wait_for_compute()  # the backward that made the gradients has run
+        with self.stream.use():
+            for p, h, g in zip(self.params, self.host, self.grads, strict=True):
+                if p.grad is None:
+                    h.grad = None
+                    continue
+                g.copy_(p.grad, non_blocking=True)
+                h.grad = g
+        self.stream.synchronize()  # the host reads them next
         self.inner.step()
-        for p, h in zip(self.params, self.host, strict=True):
-            p.copy_(h, non_blocking=True)
+        with self.stream.use():
+            for p, h in zip(self.params, self.host, strict=True):
+                p.copy_(h, non_blocking=True)
+        self.uploaded = self.stream.record()
+        CopyStream.wait(self.uploaded)  # the compute stream uses the weights only after the upload
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:

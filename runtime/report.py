@@ -5,13 +5,15 @@
     timelines.csv   the same for every step, with a step column
     memory.csv      rank,time_s,hbm_bytes: static bytes + live saved activations over that step
     schedule.csv    the action order every rank ran (torch action strings)
-    summary.json    measured vs predicted makespan and peak activation memory, relative errors, throughput
-    trace.json      Chrome trace (ui.perfetto.dev);  gantt.png, memory.png, loss.png
+    summary.json    measured vs predicted makespan and peak activation memory, relative errors, throughput,
+                    the dtype the step ran in, the clock alignment and its uncertainty
 
 and for `pipeplan profile`: scenario.toml (explicit costs, runtime/calibration.py), profile.json, timelines.csv.
+The runtime writes measured data only; `pipeplan run` (analysis/commands/run.py) draws it after the job.
 
 "Measured" steps are the steady ones: every step but the first (allocator and cache warm-up) and, when
-freezing, only steps of the steady phase; medians over them.
+freezing, only steps of the steady phase; medians over them. Every time is on one clock: each rank's
+timeline is mapped onto rank 0's clock (runtime/clock.py) and a step starts when its first rank starts.
 """
 
 from __future__ import annotations
@@ -23,10 +25,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.chrome_trace import chrome_trace
-from analysis.plots import gantt, memory_plot, save
 from common.io import atomic_write_json, atomic_write_text
-from runtime.calibration import chunk_costs, steady_steps
+from runtime.calibration import chunk_costs, dependency_gaps, steady_steps
+from runtime.clock import IDENTITY, aligned_actions, rank_shifts
 from runtime.config import RunConfig
 from sim.config import Scenario, load_scenario
 from sim.costs import build_cost_table
@@ -36,10 +37,11 @@ from sim.ir import Schedule
 from sim.trace import MEMORY_COLUMNS, TIMELINE_COLUMNS
 from solver.step import resolve_memory_plan
 
-RankResult = dict[str, Any]  # {"rank", "history": [StepRecord], "static_bytes"}
+RankResult = dict[str, Any]  # {"rank", "history": [StepRecord], "static_bytes", "clock": ClockFit, ...}
 
 
 def step_table(ranks: list[RankResult], tokens_per_step: int) -> pd.DataFrame:
+    """One row per step; `cpu_time_s` sums every rank's process CPU time (the work, less the load's noise)."""
     rows = []
     for i, rec in enumerate(ranks[0]["history"]):
         recs = [r["history"][i] for r in ranks]
@@ -50,25 +52,47 @@ def step_table(ranks: list[RankResult], tokens_per_step: int) -> pd.DataFrame:
             "loss": float(np.mean(losses)),
             "step_time_s": step_time,
             "tokens_per_s": tokens_per_step / step_time,
-            "makespan_s": max(end for r in recs for _a, _s, end in r.trace.actions),
+            "makespan_s": max(end for acts in aligned_actions(ranks, i) for _a, _s, end in acts),
             "phase": rec.phase,
             "freeze_ratio": float(np.mean([r.freeze_ratio for r in recs])),
+            "cpu_time_s": float(sum(r.cpu_time_s for r in recs)),
         })
     return pd.DataFrame(rows)
 
 
 def timeline_rows(ranks: list[RankResult], index: int) -> pd.DataFrame:
+    """Step `index` of every rank, on the common clock."""
     rows = [(r["rank"], a.stage, a.microbatch, a.kind.value, s, e)
-            for r in ranks for a, s, e in r["history"][index].trace.actions]
+            for r, acts in zip(ranks, aligned_actions(ranks, index), strict=True) for a, s, e in acts]
     df = pd.DataFrame(rows, columns=TIMELINE_COLUMNS)
     return df.sort_values(["rank", "start_s", "end_s"], kind="stable").reset_index(drop=True)
 
 
 def memory_rows(ranks: list[RankResult], index: int) -> pd.DataFrame:
     """HBM = static + live saved activations on the device; DRAM = offloaded activations + host states."""
-    rows = [(r["rank"], t, r["static_bytes"] + dev, r["static_bytes"], dev, r.get("static_host_bytes", 0.0) + host,
-             0.0) for r in ranks for t, dev, host in r["history"][index].trace.memory]
+    shifts = rank_shifts(ranks, index)
+    rows = [(r["rank"], t + sh, r["static_bytes"] + dev, r["static_bytes"], dev,
+             r.get("static_host_bytes", 0.0) + host, 0.0)
+            for r, sh in zip(ranks, shifts, strict=True) for t, dev, host in r["history"][index].trace.memory]
     return pd.DataFrame(rows, columns=MEMORY_COLUMNS)
+
+
+def clock_summary(ranks: list[RankResult], schedule: Schedule, indices: list[int]) -> dict[str, Any]:
+    """The alignment (per-rank offset to rank 0 and drift), its uncertainty, and the check that it holds:
+    on one clock no consumer may start before its cross-rank producer ended by more than the uncertainty."""
+    fits = [r.get("clock") or IDENTITY for r in ranks]
+    uncertainty = max(f.uncertainty_s for f in fits)
+    gaps = [g for i in indices for g in dependency_gaps(aligned_actions(ranks, i), schedule)]
+    worst = -min(gaps) if gaps else 0.0
+    return {
+        "method": "NTP ping-pong with rank 0 (min round trip of 16) at the job's start and end, drift linear",
+        "offset_s": [f.start.offset_s for f in fits],
+        "drift_ppm": [f.drift * 1e6 for f in fits],
+        "uncertainty_s": uncertainty,
+        "cross_rank_dependencies": len(gaps),
+        "worst_apparent_violation_s": max(worst, 0.0),
+        "violations_beyond_uncertainty": sum(g < -uncertainty for g in gaps),
+    }
 
 
 def predict(cfg: RunConfig, scenario: Scenario, schedule: Schedule) -> tuple[SimResult, str]:
@@ -130,6 +154,7 @@ def write_run(cfg: RunConfig, scenario: Scenario, schedule: Schedule, ranks: lis
         "static_bytes": [r["static_bytes"] for r in ranks],
         "offloaded_activation_bytes": [max(r["history"][i].trace.offloaded_bytes for i in idx) for r in ranks],
         "device": ranks[0].get("device", "cpu"),
+        "dtype": scenario.training.dtype,  # the forwards' autocast dtype over fp32 master weights (fp32: none)
         "backend": ranks[0].get("backend"),  # gloo on CPU or when ranks share GPUs (P2P via host), else nccl
         "data": cfg.data or "stdlib",
         "freeze": cfg.freeze,
@@ -139,6 +164,11 @@ def write_run(cfg: RunConfig, scenario: Scenario, schedule: Schedule, ranks: lis
         "memory_plan": scenario.memory.plan,
         "offload_share_per_chunk": extra.get("offload_shares"),
         "states_on_host_per_rank": extra.get("states_on_host"),
+        "cpu_time_s": float(chosen["cpu_time_s"].median()),
+        "clock": clock_summary(ranks, schedule, idx),
+        "timeline_step": rep_step,
+        "title": f"measured {schedule.name}: p={schedule.num_ranks} m={schedule.num_microbatches} "
+                 f"v={schedule.virtual_stages} (step {rep_step})",
     }
     peaks_dev = [max((r["history"][i].trace.peak_device_bytes or 0) for i in idx) for r in ranks]
     if any(peaks_dev):
@@ -149,30 +179,13 @@ def write_run(cfg: RunConfig, scenario: Scenario, schedule: Schedule, ranks: lis
         summary["planned_mean_ratio"] = float(np.mean(list(plan.values()))) if plan else 0.0
         summary["realized_mean_ratio"] = float(chosen["freeze_ratio"].mean())
         summary["planned_makespan_s"] = extra.get("planned_makespan_s")
-    title = f"measured {schedule.name}: p={schedule.num_ranks} m={schedule.num_microbatches} " \
-            f"v={schedule.virtual_stages} (step {rep_step})"
     atomic_write_text(out / "metrics.csv", metrics.to_csv(index=False))
     atomic_write_text(out / "timeline.csv", timeline.to_csv(index=False))
     atomic_write_text(out / "timelines.csv", all_timelines.to_csv(index=False))
     atomic_write_text(out / "memory.csv", memory.to_csv(index=False))
     atomic_write_text(out / "schedule.csv", schedule.to_csv_text())
     atomic_write_json(out / "summary.json", summary)
-    atomic_write_json(out / "trace.json", chrome_trace(timeline, memory, (), title))
-    gantt(timeline, out / "gantt.png", title)
-    memory_plot(memory, out / "memory.png", None, title)
-    loss_plot(metrics, out / "loss.png", title)
     return summary
-
-
-def loss_plot(metrics: pd.DataFrame, path: Path, title: str) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(metrics["step"], metrics["loss"], marker=".")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(title, fontsize=9)
-    save(fig, path)
 
 
 # ---- pipeplan profile -------------------------------------------------------------------------------
@@ -194,10 +207,12 @@ def write_profile(cfg: RunConfig, scenario: Scenario, schedule: Schedule, ranks:
         "schedule": schedule.name,
         "device": ranks[0].get("device", "cpu"),
         "backend": ranks[0].get("backend"),
+        "dtype": scenario.training.dtype,
         "threads_per_rank": cfg.threads,
         "steps": cfg.steps,
         **costs,
         "static_bytes": static,
+        "clock": clock_summary(ranks, schedule, list(range(len(ranks[0]["history"])))),
     }
     per_chunk = ("forward_s", "backward_input_s", "backward_weight_s", "activation_bytes")
     toml = [
@@ -239,7 +254,7 @@ def validate_profile(scenario_text: str, schedule: Schedule, ranks: list[RankRes
     predicted = simulate(schedule, costs).makespan_s
     history = ranks[0]["history"]
     plain = [i for i, r in enumerate(history) if r.phase == "plain" and r.step != history[0].step]
-    spans = [max(e for r in ranks for _a, _s, e in r["history"][i].trace.actions) for i in plain]
+    spans = [max(e for acts in aligned_actions(ranks, i) for _a, _s, e in acts) for i in plain]
     measured = float(statistics.median_low(spans))
     return {"measured_makespan_s": measured, "predicted_makespan_s": predicted,
             "makespan_rel_error": rel_error(predicted, measured), "plain_steps": [history[i].step for i in plain],

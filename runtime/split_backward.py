@@ -11,6 +11,11 @@ Non-linear parameters (RMSNorm gains, the embedding) are cheap and get their gra
 A frozen weight (requires_grad False when the forward ran) has no gradient edge, so neither pass computes
 its dW: freezing skips real work (runtime/freeze.py).
 
+Mixed precision. Under autocast (bf16/fp16, on CPU and CUDA alike) the forward casts X and the fp32 master
+weight to the autocast dtype, as nn.Linear does, and saves the cast copies: the matmuls of I and W then run
+in the low precision with operands of one dtype, and W accumulates dW into the fp32 `.grad` (a custom
+Function sees autocast's inputs uncast, so saving the originals would multiply a bf16 dY by fp32 tensors).
+
 `enable_split_backward(module)` turns the module's `nn.Linear`s into `DeferrableLinear` in place (same
 parameters, same names); outside a `WeightGradStore.capture()` they compute dW immediately, like nn.Linear.
 """
@@ -46,10 +51,11 @@ class WeightGradStore:
     def nbytes(self) -> int:
         return sum(x.nbytes + g.nbytes for x, g, _ in self.pending)
 
+    @torch.no_grad()  # a queued X may be an input that requires grad: dW must not grow a graph from it
     def run(self) -> None:
-        """The W pass: dW = dYᵀ X for every queued layer, accumulated into the weight's .grad."""
+        """The W pass: dW = dYᵀ X for every queued layer, accumulated into the weight's .grad (its dtype)."""
         for x, grad_y, weight in self.pending:
-            dw = grad_y.reshape(-1, grad_y.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))  # (out, in)
+            dw = weight_grad(x, grad_y).to(weight.dtype)  # (out, in)
             if weight.grad is None:
                 weight.grad = dw
             else:
@@ -57,16 +63,33 @@ class WeightGradStore:
         self.pending.clear()
 
 
+def weight_grad(x: torch.Tensor, grad_y: torch.Tensor) -> torch.Tensor:
+    """dW = dYᵀ X over every leading dimension: x (..., in), grad_y (..., out) -> (out, in)."""
+    return grad_y.reshape(-1, grad_y.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes linear layers in on this device type, or None when it is off."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
 class _DeferrableLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
+        dtype = autocast_dtype(x.device.type)
+        if dtype is not None:  # what autocast does for F.linear, made explicit so backward sees it
+            x, weight_c = x.to(dtype), weight.to(dtype)
+        else:
+            weight_c = weight
+        ctx.save_for_backward(x, weight_c)
         ctx.param = weight  # the Parameter itself: a saved tensor unpacks as another object (e.g. under hooks)
-        return F.linear(x, weight)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x, weight_c)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
-        x, weight = ctx.saved_tensors
+        x, weight = ctx.saved_tensors  # both in the forward's compute dtype
+        grad_y = grad_y.to(x.dtype)
         grad_x = grad_y.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
@@ -74,7 +97,7 @@ class _DeferrableLinearFn(torch.autograd.Function):
             if store is not None:
                 store.pending.append((x, grad_y, ctx.param))  # W runs it; the weight gets no grad now
             else:
-                grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+                grad_w = weight_grad(x, grad_y).to(ctx.param.dtype)
         return grad_x, grad_w
 
 

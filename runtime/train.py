@@ -7,6 +7,7 @@ measured stays on the rank (`StepRecord`) until the job ends, when rank 0 gather
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +31,8 @@ from sim.ir import Schedule
 from sim.step import resolve_schedule
 
 DEFAULT_SCENARIO = "tiny-cpu"
-AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # CUDA only; the CPU runs fp32
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""training.dtype -> the autocast dtype of the forwards, on every device (None: plain fp32)."""
 
 
 def load_run_scenario(cfg: RunConfig) -> tuple[Scenario, Schedule]:
@@ -52,6 +54,26 @@ class StepRecord:
     step_time_s: float  # this rank: barrier exit to optimizer step done
     trace: StepTrace
     freeze_ratio: float = 0.0  # mean realized frozen share of this rank's (stage, mb) pairs
+    cpu_time_s: float = 0.0  # this process's CPU time over the same span (all its threads): the work done,
+    #                          which other jobs on a shared machine do not inflate the way they do wall time
+
+    def to_plain(self) -> dict:
+        return {"step": self.step, "phase": self.phase, "step_time_s": self.step_time_s,
+                "trace": self.trace.to_plain(), "freeze_ratio": self.freeze_ratio, "cpu_time_s": self.cpu_time_s}
+
+    @classmethod
+    def from_plain(cls, d: dict) -> StepRecord:
+        return cls(**{**d, "trace": StepTrace.from_plain(d["trace"])})
+
+
+def reset_device_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def device_peak_bytes(device: torch.device) -> int | None:
+    """The CUDA allocator's peak since the last reset; None on the CPU (no allocator to ask)."""
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
 
 
 @dataclass
@@ -61,6 +83,8 @@ class Trainer:
     world: int
     device: torch.device
     history: list[StepRecord] = field(default_factory=list)
+    now: Callable[[], float] = time.perf_counter
+    """The host clock the steps are timed on (tests skew it to stand for another node's clock)."""
 
     def __post_init__(self) -> None:
         cfg = self.cfg
@@ -93,7 +117,7 @@ class Trainer:
         self.executor = PipelineExecutor(sched, self.rank, self.chunks, p2p, self.device,
                                          offload_share={s: self.memory.chunks[s].offload_share for s in self.stages},
                                          profile_backward=cfg.profile,
-                                         autocast_dtype=AUTOCAST[self.scenario.training.dtype])
+                                         autocast_dtype=AUTOCAST[self.scenario.training.dtype], now=self.now)
         cap = cfg.freeze_cap if cfg.freeze_cap is not None else self.scenario.freeze.cap
         phases = FreezePhases(cfg.freeze, cap, cfg.freeze_warmup, cfg.freeze_monitor, cfg.freeze_ramp,
                               cfg.freeze_redraw, self.scenario.freeze.max_ratio)
@@ -109,8 +133,8 @@ class Trainer:
             if cfg.fail_rank == self.rank and cfg.fail_step == step:
                 raise RuntimeError(f"injected failure on rank {self.rank} at step {step} (--fail-rank)")
             self.history.append(self.step(step))
-            if self.freezer.phases.mode != "none" and step == self.freezer.phases.solve_after_step:
-                self.solve_freeze_plan()
+            if step in self.freezer.phases.solve_steps:  # end of monitoring, and each ramp step
+                self.solve_freeze_plan(self.freezer.phases.cap_at(step + 1))
             last = step == cfg.steps - 1
             if cfg.checkpoint_dir and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or last):
                 checkpoint.save(cfg.checkpoint_dir, step + 1, self.rank, self.state_dict())
@@ -122,26 +146,31 @@ class Trainer:
         self.executor.profile_backward = profiled
         phase = ("profile" if profiled else "plain") if self.cfg.profile else self.freezer.phases.phase(step)
         batches = self.data.step(step, self.schedule.num_microbatches) if self.data is not None else None
+        reset_device_peak(self.device)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, cpu0 = self.now(), time.process_time()
         trace = self.executor.run_step(batches, frozen)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        record = StepRecord(step, phase, time.perf_counter() - t0, trace, self.freezer.realized_ratio())
+        trace.peak_device_bytes = device_peak_bytes(self.device)  # the optimizer step's included
+        record = StepRecord(step, phase, self.now() - t0, trace, self.freezer.realized_ratio(),
+                            time.process_time() - cpu0)
         self.freezer.observe(step, trace)
         return record
 
-    def solve_freeze_plan(self) -> None:
-        """Gather every rank's monitoring, solve on rank 0 (the solver's LP), broadcast the plan."""
+    def solve_freeze_plan(self, cap: float) -> None:
+        """Gather every rank's monitoring, solve on rank 0 for `cap` (the solver's LP), broadcast the plan."""
         measurements: list = [None] * self.world
         dist.all_gather_object(measurements, {k: dict(v) for k, v in self.freezer.durations.items()})
         box = [None]
         if self.rank == 0:
-            self.freezer.solve(measurements)
+            self.freezer.solve(measurements, cap)
             box = [(self.freezer.plan, self.freezer.planned_makespan_s)]
         dist.broadcast_object_list(box, src=0)
+        if self.rank != 0:
+            self.freezer.plan_cap, self.freezer.plan_version = cap, self.freezer.plan_version + 1
         self.freezer.plan, self.freezer.planned_makespan_s = box[0]
 
     def memory_info(self) -> dict:
@@ -161,27 +190,30 @@ class Trainer:
         return {"static_bytes": float(sum(per_stage.values())), "static_bytes_per_stage": per_stage,
                 "static_host_bytes": float(host)}
 
-    # ---- checkpoint ----------------------------------------------------------------------------
+    # ---- checkpoint (runtime/checkpoint.py: "device" tensors map to the device, "host" ones stay on the CPU)
     def state_dict(self) -> dict:
-        state = {
-            "step": self.history[-1].step + 1 if self.history else self.start_step,
-            "chunks": {s: c.state_dict() for s, c in self.chunks.items()},
-            "optimizer": self.optimizer.state_dict(),
-            "freezer": self.freezer.state_dict(),
+        host = {
             "rng": torch.get_rng_state(),
-            "history": self.history,
+            "freezer": self.freezer.state_dict(),
+            "history": [r.to_plain() for r in self.history],
         }
         if self.device.type == "cuda":
-            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        return state
+            host["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return {
+            "step": self.history[-1].step + 1 if self.history else self.start_step,
+            "device": {"chunks": {s: c.state_dict() for s, c in self.chunks.items()},
+                       "optimizer": self.optimizer.state_dict()},
+            "host": host,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for s, chunk in self.chunks.items():
-            chunk.load_state_dict(state["chunks"][s])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.freezer.load_state_dict(state["freezer"])
-        torch.set_rng_state(state["rng"])
-        if "cuda_rng" in state and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
-        self.history = list(state["history"])
+            chunk.load_state_dict(state["device"]["chunks"][s])
+        self.optimizer.load_state_dict(state["device"]["optimizer"])
+        host = state["host"]
+        self.freezer.load_state_dict(host["freezer"])
+        torch.set_rng_state(host["rng"])
+        if "cuda_rng" in host and self.device.type == "cuda":
+            torch.cuda.set_rng_state(host["cuda_rng"], self.device)
+        self.history = [StepRecord.from_plain(r) for r in host["history"]]
         self.start_step = state["step"]

@@ -121,7 +121,7 @@ def test_a_failing_rank_stops_every_rank_with_its_error(scenario, tmp_path):
 def test_bad_input_is_one_line_and_exit_2_before_launching(argv, expected, capsys, tmp_path, monkeypatch):
     import runtime.launch
 
-    monkeypatch.setattr(runtime.launch.subprocess, "run", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(runtime.launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
     if expected is None:  # explicit-unit has 4 chunks, like tiny-cpu: accepted; stop before the launch
         monkeypatch.setattr("analysis.commands.run.launch", lambda *a, **k: 0)
         assert main([*argv, "--out", str(tmp_path / "x")]) == 0

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from analysis.commands.simulate import add_schedule_arguments, scenario_overrides
 from analysis.console import busy
 from common.io import staged_output
 from runtime.config import FREEZE_MODES, RunConfig
+from runtime.data import NAMED_SOURCES
 from runtime.launch import Rendezvous, launch
 from sim.config import RECOMPUTE_POLICIES
 from sim.errors import PipeplanError
@@ -51,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_launch_arguments(parser)
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
     parser.add_argument("--out", default="out/run", help="output folder (default: out/run)")
-    parser.add_argument("--data", help="'synthetic', a text file (byte tokens); default: the Python stdlib sources")
+    parser.add_argument("--data", help="'synthetic', 'pydoc' (CPython's reference prose, train split), a text file "
+                                       "(byte tokens); default: the Python stdlib sources")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument("--freeze", choices=FREEZE_MODES, default="none", help="freezing (default none)")
     parser.add_argument("--cap", type=float, help="freeze cap: mean ratio per stage (default: the scenario's)")
@@ -96,7 +100,8 @@ def rendezvous(args: argparse.Namespace, stages: int) -> Rendezvous:
     return Rendezvous(nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id)
 
 
-def launch_job(cfg: RunConfig, args: argparse.Namespace, out: str) -> dict | None:
+def launch_job(cfg: RunConfig, args: argparse.Namespace, out: str, poll: Callable[[], None] | None = None
+               ) -> dict | None:
     """Validate here (bad input is one line, exit 2), launch, and move rank 0's files into `out`."""
     from runtime.memory import run_memory
     from runtime.report import predict
@@ -111,18 +116,58 @@ def launch_job(cfg: RunConfig, args: argparse.Namespace, out: str) -> dict | Non
         cfg.memory_choice = resolve_memory_plan(scenario, costs, schedule).choice.to_dict()
     run_memory(scenario, schedule, cfg.choice())  # a memory plan the runtime can execute
     predict(cfg, scenario, schedule)  # --costs must describe this pipeline
-    if cfg.data not in (None, "synthetic") and not Path(cfg.data).is_file():
-        raise PipeplanError(f"--data {cfg.data}: file not found; give a text file, or 'synthetic'")
+    if cfg.data not in (None, *NAMED_SOURCES) and not Path(cfg.data).is_file():
+        raise PipeplanError(f"--data {cfg.data}: file not found; give a text file, 'pydoc' or 'synthetic'")
+    if cfg.resume:
+        from runtime.checkpoint import check_resumable
+
+        check_resumable(cfg.checkpoint_dir)  # on this node; every rank checks its own file at the start
     rdzv = rendezvous(args, schedule.num_ranks)
     with staged_output(out) as stage:
         cfg.out_dir = str(stage)
-        with busy(f"{'profiling' if cfg.profile else 'running'} {schedule.name} on {schedule.num_ranks} ranks, "
-                     f"{cfg.steps} steps"):
-            code = launch(cfg, rdzv)
+        if poll is not None:  # the caller draws its own progress (one live display at a time)
+            code = launch(cfg, rdzv, poll=poll)
+        else:
+            with busy(f"{'profiling' if cfg.profile else 'running'} {schedule.name} on {schedule.num_ranks} ranks, "
+                      f"{cfg.steps} steps"):
+                code = launch(cfg, rdzv)
         if code != 0:
             raise JobFailed(code)
         summary = stage / ("summary.json" if not cfg.profile else "profile.json")
-        return json.loads(summary.read_text()) if summary.exists() else None
+        if not summary.exists():
+            print(f"pipeplan: the job succeeded but no outputs reached this node's {out}; they are on the node "
+                  "that ran rank 0", file=sys.stderr)
+            return None
+        if not cfg.profile:
+            render_run(stage)
+        return json.loads(summary.read_text())
+
+
+def render_run(out: Path) -> None:
+    """Draw what the runtime measured (its CSVs and summary.json): trace.json, gantt.png, memory.png,
+    loss.png. Here, after the job, not inside rank 0: the runtime writes data, analysis draws it."""
+    import pandas as pd
+
+    from analysis.chrome_trace import chrome_trace
+    from analysis.plots import gantt, memory_plot, save
+    from common.io import atomic_write_json
+
+    summary = json.loads((out / "summary.json").read_text())
+    title = summary["title"]
+    timeline = pd.read_csv(out / "timeline.csv")
+    memory = pd.read_csv(out / "memory.csv")
+    metrics = pd.read_csv(out / "metrics.csv")
+    atomic_write_json(out / "trace.json", chrome_trace(timeline, memory, (), title))
+    gantt(timeline, out / "gantt.png", title)
+    memory_plot(memory, out / "memory.png", None, title)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(metrics["step"], metrics["loss"], marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title, fontsize=9)
+    save(fig, out / "loss.png")
 
 
 def run(args: argparse.Namespace) -> int:

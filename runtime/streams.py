@@ -1,0 +1,77 @@
+"""A copy stream: host <-> device copies off the compute stream on CUDA; the same calls inline on the CPU.
+
+Offload (runtime/memory.py) and the host optimizer (runtime/optim.py) move tensors between the device and
+host memory. On CUDA those copies belong on a side stream, so they overlap the compute stream's kernels,
+into pinned host memory, so they are asynchronous DMA; ordering is then by events: the copy stream waits
+for the compute that produced a tensor, and the compute stream waits for the copy before it uses the
+result. `CopyStream` is that protocol with one implementation per device type: on the CPU there is no
+stream, every call runs inline and events are None, so the CPU runs (and tests) the very same code path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+class CopyStream:
+    """A side stream for copies (CUDA) or its inline stand-in (CPU): see the module docstring."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @property
+    def pin(self) -> bool:
+        """Whether host buffers should be pinned (page-locked): only for a real device to copy from."""
+        return self.stream is not None
+
+    def host_empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+
+    def wait_for_compute(self) -> None:
+        """Copies issued after this see everything the compute stream has issued so far."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    @contextmanager
+    def use(self) -> Iterator[None]:
+        """Issue the enclosed copies on the side stream."""
+        if self.stream is None:
+            yield
+        else:
+            with torch.cuda.stream(self.stream):
+                yield
+
+    def record(self) -> torch.cuda.Event | None:
+        """An event marking the copies issued so far on the side stream (None on the CPU: already done)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def keep_alive(self, t: torch.Tensor) -> None:
+        """t's memory must not be reused by the compute stream before the side stream's copy of it ran."""
+        if self.stream is not None and t.is_cuda:
+            t.record_stream(self.stream)
+
+    def synchronize(self) -> None:
+        """Block the host until the side stream's copies are done (before the host reads their results)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    @staticmethod
+    def hand_over(t: torch.Tensor) -> None:
+        """A tensor the side stream allocated is now used by the compute stream: its memory must not be
+        reused before the compute stream is done with it."""
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+    @staticmethod
+    def wait(event: torch.cuda.Event | None) -> None:
+        """Make the compute stream wait for a copy (no-op for the CPU's None)."""
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
