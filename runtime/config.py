@@ -70,6 +70,8 @@ class RunConfig:
     memory_choice: dict[str, list] | None = None
     """With memory.plan = true: the memory MILP's choice, solved once on the launcher (MemoryChoice.to_dict)
     so that no rank solves it again; None: resolve it from the scenario."""
+    progress_file: str | None = None
+    """Rank 0 writes the number of steps done here after every step (a progress bar in the launcher reads it)."""
     fail_rank: int | None = None
     """Testing aid: this rank raises at the start of step `fail_step`."""
     fail_step: int = 0

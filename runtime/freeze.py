@@ -17,8 +17,9 @@ Phases (step numbers from 0), as TimelyFreeze runs them:
     monitoring   [w, w + M)           alternately unfrozen (w_max) and fully frozen (w_min) steps; every
                                       action's duration kept, per action (stage, kind, microbatch)
     LP solve     end of step w + M-1  per-action medians -> the freeze DAG's w_max, w_min of every B/W (the
-                                      LP's variables; F and I take their chunk's median) -> solver.plan.plan_freeze on rank 0, at
-                                      the first ramp step's cap; the plan is broadcast to every rank
+                                      LP's variables; F and I take their chunk's median) -> the LP
+                                      (solver.plan.plan_freeze) on rank 0 at the first ramp step's cap;
+                                      the plan is broadcast to every rank
     ramp         [w + M, w + M + R)   the cap rises linearly, cap·(k+1)/(R+1) at ramp step k; the LP is
                                       re-solved from the measured durations for each step's cap
     steady       after                the plan at the full cap

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from common.io import atomic_write_text
 from runtime import checkpoint
 from runtime.config import RunConfig
 from runtime.data import TokenData
@@ -133,6 +134,8 @@ class Trainer:
             if cfg.fail_rank == self.rank and cfg.fail_step == step:
                 raise RuntimeError(f"injected failure on rank {self.rank} at step {step} (--fail-rank)")
             self.history.append(self.step(step))
+            if self.rank == 0 and cfg.progress_file:
+                atomic_write_text(cfg.progress_file, f"{step + 1}\n")
             if step in self.freezer.phases.solve_steps:  # end of monitoring, and each ramp step
                 self.solve_freeze_plan(self.freezer.phases.cap_at(step + 1))
             last = step == cfg.steps - 1

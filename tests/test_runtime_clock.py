@@ -1,0 +1,84 @@
+"""One clock across ranks (runtime/clock.py): NTP's estimate against known offsets, and a real 2-rank job
+whose rank 1 reads a clock 5 s ahead (as another node's would) — aligned, its timeline is causal."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from runtime.clock import ClockFit, OffsetSample, best_sample, ntp_offset, step_origins
+from runtime.config import RunConfig
+from runtime.launch import spawn
+from sim.ir import Schedule
+
+SKEW_S = 5.0
+
+
+@pytest.mark.parametrize("there,back", [(1e-4, 1e-4), (3e-4, 1e-5), (1e-6, 2e-3)])
+def test_ntp_offset_is_within_half_the_round_trip_of_the_truth(there, back):
+    true_offset, service = 7.25, 5e-5  # rank 0's clock = this rank's + 7.25 s
+    t1 = 100.0
+    t2 = t1 + there + true_offset
+    t3 = t2 + service
+    t4 = t3 - true_offset + back
+    s = ntp_offset(t1, t2, t3, t4)
+    assert s.bound_s == pytest.approx((there + back) / 2)
+    assert abs(s.offset_s - true_offset) <= s.bound_s + 1e-12
+    assert s.offset_s == pytest.approx(true_offset + (there - back) / 2)  # the asymmetry is the only error
+
+
+def test_the_minimum_delay_sample_wins_and_drift_is_linear():
+    samples = [OffsetSample(1.0, 5e-3, 0.0), OffsetSample(1.2, 1e-4, 0.0), OffsetSample(0.9, 2e-3, 0.0)]
+    assert best_sample(samples).offset_s == 1.2
+    fit = ClockFit(OffsetSample(1.0, 1e-4, 10.0), OffsetSample(1.002, 3e-4, 110.0))  # 20 ppm drift
+    assert fit.drift == pytest.approx(2e-5)
+    assert fit.to_reference(60.0) == pytest.approx(60.0 + 1.001)
+    assert fit.uncertainty_s == 3e-4
+    # ranks that left the barrier 3 ms apart on one clock: the late one's times shift by 3 ms
+    assert step_origins([5.000, 5.003], [ClockFit(OffsetSample(0, 0, 0))] * 2) == pytest.approx([0.0, 0.003])
+
+
+def _job(rank: int, world: int, out: str) -> None:
+    import torch
+
+    from runtime.worker import run_job
+
+    cfg = RunConfig(overrides={"model.hidden": 32, "model.layers": 4, "model.ffn_hidden": 64, "model.seq_len": 16,
+                               "pipeline.stages": 2, "pipeline.microbatches": 4, "pipeline.schedule": "1f1b"},
+                    data="synthetic", steps=3, timeout_s=60, clock_skew_s=SKEW_S, out_dir=out)
+    run_job(cfg, rank, world, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def skewed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("skewed")
+    spawn(_job, 2, str(out), timeout_s=240)
+    return out
+
+
+def test_a_skewed_clock_is_measured_and_removed(skewed):
+    clock = json.loads((skewed / "summary.json").read_text())["clock"]
+    assert clock["offset_s"][0] == 0.0
+    assert abs(clock["offset_s"][1] + SKEW_S) <= clock["uncertainty_s"] + 1e-9  # rank 0 = rank 1 - 5 s
+    assert 0 < clock["uncertainty_s"] < 0.05
+
+
+def test_no_cross_rank_dependency_is_violated_beyond_the_uncertainty(skewed):
+    summary = json.loads((skewed / "summary.json").read_text())
+    clock = summary["clock"]
+    assert clock["cross_rank_dependencies"] > 0 and clock["violations_beyond_uncertainty"] == 0
+    # and independently, from the written timelines of every step
+    sched = Schedule.read_csv(skewed / "schedule.csv")
+    timelines = pd.read_csv(skewed / "timelines.csv")
+    end = {(r.step, r.stage, r.kind != "F", r.microbatch): r.end_s for r in timelines.itertuples() if r.kind != "W"}
+    checked = 0
+    for r in timelines.itertuples():
+        src = (r.stage - 1, False) if r.kind == "F" else (r.stage + 1, True) if r.kind in "BI" else None
+        if src is None or not 0 <= src[0] < sched.num_stages or sched.stage_to_rank[src[0]] == r.rank:
+            continue
+        assert r.start_s >= end[(r.step, src[0], src[1], r.microbatch)] - clock["uncertainty_s"]
+        checked += 1
+    assert checked > 0
+    assert summary["measured_makespan_s"] < 2.0  # not the 5 s skew
