@@ -72,9 +72,10 @@ def init_distributed(cfg: RunConfig) -> tuple[int, int, torch.device]:
 def input_problem(cfg: RunConfig, rank: int) -> str | None:
     """What this rank cannot read of the job's inputs, as one line, or None."""
     from runtime import checkpoint
+    from runtime.data import NAMED_SOURCES
     from sim.errors import PipeplanError
 
-    if cfg.data not in (None, "synthetic") and not Path(cfg.data).is_file():
+    if cfg.data not in (None, *NAMED_SOURCES) and not Path(cfg.data).is_file():
         return f"--data {cfg.data}: file not found (every node needs it at this path)"
     if cfg.resume:
         try:

@@ -129,3 +129,37 @@ def test_bad_input_is_one_line_and_exit_2_before_launching(argv, expected, capsy
     assert main([*argv, "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0]
+
+
+def test_freeze_study_trains_once_per_cap_and_reports_loss_and_speed(scenario, tmp_path):
+    out = tmp_path / "study"
+    proc = pipeplan("freeze-study", scenario, "--caps", "0,0.9", "--tokens", "1024", "--freeze-ramp", "1",
+                    "--out", str(out), timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = pd.read_csv(out / "freeze_study.csv")
+    assert list(table.columns[:7]) == ["cap", "tokens", "final_loss", "heldout_loss", "mean_step_time_s",
+                                       "predicted_step_time_s", "wall_s"]
+    assert list(table["cap"]) == [0.0, 0.9] and set(table["tokens"]) == {1024}  # 8 steps of 2 x 16 x 4
+    assert table[["final_loss", "heldout_loss", "mean_step_time_s", "predicted_step_time_s"]].gt(0).all().all()
+    assert table["realized_mean_ratio"].iloc[0] == 0 and table["realized_mean_ratio"].iloc[1] > 0
+    # same seed, same data, same phases: the runs differ only by what the cap froze
+    a, b = (pd.read_csv(out / f"cap-{c}" / "metrics.csv") for c in ("0", "0.9"))
+    assert a["loss"].iloc[0] == b["loss"].iloc[0] and list(a["phase"]) == list(b["phase"])
+    assert (out / "loss_curves.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["freeze-study", "--caps", "0,1.5"], "--caps"),
+    (["freeze-study", "--tokens", "100"], "no steady steps"),
+])
+def test_freeze_study_bad_input_is_one_line(argv, expected, capsys, tmp_path):
+    assert main([*argv, "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0]
+
+
+@pytest.mark.parametrize("command", ["run", "profile"])
+def test_help_names_the_runtimes_default_scenario(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "tiny-cpu" in capsys.readouterr().out

@@ -38,7 +38,7 @@ def test_checkpoint_loads_onto_another_device_with_host_state_on_the_cpu(world_o
     t = trainer(steps=3, checkpoint_dir=str(tmp_path))
     t.train()
     # the CUDA bug, reproduced: an RNG state mapped off the CPU is refused
-    with pytest.raises(TypeError, match="RNG state must be a torch.ByteTensor"):
+    with pytest.raises(TypeError, match=r"RNG state must be a torch\.ByteTensor"):
         torch.set_rng_state(torch.get_rng_state().to("meta"))
     state = checkpoint.load(tmp_path, 0, "meta")  # saved on the CPU, mapped onto another device
     weights = state["device"]["chunks"][0]

@@ -168,6 +168,36 @@ def test_freeze_phases_in_order():
     assert phases.solve_after_step == 3
     assert [round(phases.ramp_scale(s), 3) for s in (4, 5, 6)] == [0.333, 0.667, 1.0]
     assert FreezePhases("none", 0.5, 2, 2, 2, 5).phase(3) == "off"
+    # the cap ramps up; the plan is re-solved after monitoring and after each ramp step, for the next step's cap
+    assert [(s, round(phases.cap_at(s + 1), 3)) for s in phases.solve_steps] == [(3, 0.167), (4, 0.333), (5, 0.5)]
+    assert list(FreezePhases("none", 0.5, 2, 2, 2, 5).solve_steps) == []
+
+
+def test_the_lp_sees_each_actions_own_median():
+    """Monitoring keeps durations per action; the LP's plan at cap 0 is then the simulator's step on
+    exactly those per-action medians (one slow W on stage 1 included), not on per-chunk averages."""
+    import numpy as np
+
+    from sim.costs import CostTable
+    from sim.engine import simulate
+
+    sched = build_schedule("zb-h1", 2, 4, 1)
+    fz = Freezer.build(FreezePhases("timelyfreeze", 0.5, 0, 2, 0, 5), sched, {0: build_model(ARGS)}, 0, 0)
+    base = {"F": 1.0, "I": 1.0, "W": 1.0}
+    slow = (1, "W", 3)  # one action measured 4x slower than its chunk's others
+    unfrozen = {(s, k, mb): [base[k] * (4.0 if (s, k, mb) == slow else 1.0)] * 3
+                for s in range(2) for k in "FIW" for mb in range(4)}
+    frozen = {(s, "W", mb): [0.1] for s in range(2) for mb in range(4)}
+    fz.solve([{"unfrozen": unfrozen, "frozen": {}}, {"unfrozen": {}, "frozen": frozen}], cap=0.0)
+    assert set(fz.plan.values()) == {0.0}
+    ones = np.ones(2)
+    expected = simulate(sched, CostTable(2, 1, 4, ones, ones, ones, np.zeros(2), np.zeros(2), p2p_s=0.0),
+                        durations={Action(1, Kind.W, 3): 4.0}).makespan_s
+    assert fz.planned_makespan_s == pytest.approx(expected)
+    fz.solve([{"unfrozen": unfrozen, "frozen": frozen}], cap=0.5)  # with freezing allowed the LP cuts it
+    assert fz.planned_makespan_s < expected
+    for s in range(2):
+        assert np.mean([fz.plan[(s, mb)] for mb in range(4)]) <= 0.5 + 1e-9
 
 
 def test_uniform_plan_and_redraw_every_k_steps():
