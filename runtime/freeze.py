@@ -120,6 +120,7 @@ class Freezer:
     seed: int = 0
     plan: dict[Key, float] = field(default_factory=dict)  # (stage, mb) -> planned ratio, every stage
     planned_makespan_s: float | None = None
+    unfrozen_makespan_s: float | None = None  # the same simulation with nothing frozen: the plan's baseline
     plan_cap: float = 0.0  # the cap the plan was solved for
     plan_version: int = 0  # bumped by every solve: a new plan means new draws
     durations: dict[str, dict[ActionKey, list[float]]] = field(
@@ -250,6 +251,10 @@ class Freezer:
                 w_min[i] = min(medians["frozen"].get(key, w_min[i]), w_max[i])
         dag = replace(dag, w_max=w_max, w_min=w_min)
         plan = plan_freeze(sched, costs, freeze, baselines=False, dag=dag)  # LP, verified in the simulator
+        from sim.engine import simulate
+
+        unfrozen = {dag.actions[i]: float(w_max[i]) for i in dag.freezable.tolist()}
+        self.unfrozen_makespan_s = simulate(sched, costs, unfrozen).makespan_s
         self.plan = dict.fromkeys(keys, 0.0)
         for node, ratio in zip(plan.dag.freezable.tolist(), plan.solution.ratio.tolist(), strict=True):
             a = plan.dag.actions[node]
@@ -260,7 +265,8 @@ class Freezer:
     # ---- checkpoint ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Plain containers and one CPU tensor (the generator): a weights_only checkpoint can hold it."""
-        return {"plan": dict(self.plan), "planned_makespan_s": self.planned_makespan_s, "plan_cap": self.plan_cap,
+        return {"plan": dict(self.plan), "planned_makespan_s": self.planned_makespan_s,
+                "unfrozen_makespan_s": self.unfrozen_makespan_s, "plan_cap": self.plan_cap,
                 "plan_version": self.plan_version, "durations": {k: dict(v) for k, v in self.durations.items()},
                 "drawn": dict(self.drawn), "drawn_at": self.drawn_at, "drawn_version": self.drawn_version,
                 "gen": self.gen.get_state()}
@@ -268,6 +274,7 @@ class Freezer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.plan = dict(state["plan"])
         self.planned_makespan_s, self.plan_cap = state["planned_makespan_s"], state["plan_cap"]
+        self.unfrozen_makespan_s = state["unfrozen_makespan_s"]
         self.plan_version = state["plan_version"]
         self.durations = {k: defaultdict(list, v) for k, v in state["durations"].items()}
         self.drawn, self.drawn_at = dict(state["drawn"]), state["drawn_at"]

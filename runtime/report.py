@@ -179,6 +179,7 @@ def write_run(cfg: RunConfig, scenario: Scenario, schedule: Schedule, ranks: lis
         summary["planned_mean_ratio"] = float(np.mean(list(plan.values()))) if plan else 0.0
         summary["realized_mean_ratio"] = float(chosen["freeze_ratio"].mean())
         summary["planned_makespan_s"] = extra.get("planned_makespan_s")
+        summary["planned_unfrozen_makespan_s"] = extra.get("unfrozen_makespan_s")  # same monitoring, no freezing
     atomic_write_text(out / "metrics.csv", metrics.to_csv(index=False))
     atomic_write_text(out / "timeline.csv", timeline.to_csv(index=False))
     atomic_write_text(out / "timelines.csv", all_timelines.to_csv(index=False))

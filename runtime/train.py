@@ -170,11 +170,11 @@ class Trainer:
         box = [None]
         if self.rank == 0:
             self.freezer.solve(measurements, cap)
-            box = [(self.freezer.plan, self.freezer.planned_makespan_s)]
+            box = [(self.freezer.plan, self.freezer.planned_makespan_s, self.freezer.unfrozen_makespan_s)]
         dist.broadcast_object_list(box, src=0)
         if self.rank != 0:
             self.freezer.plan_cap, self.freezer.plan_version = cap, self.freezer.plan_version + 1
-        self.freezer.plan, self.freezer.planned_makespan_s = box[0]
+        self.freezer.plan, self.freezer.planned_makespan_s, self.freezer.unfrozen_makespan_s = box[0]
 
     def memory_info(self) -> dict:
         """Static bytes of this rank: weights and gradients on the device, optimizer state (and, offloaded,

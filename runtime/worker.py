@@ -148,6 +148,7 @@ def run_job(cfg: RunConfig, rank: int, world: int, device: torch.device) -> None
     dist.gather_object(info, gathered, dst=0)
     if rank == 0 and cfg.out_dir:
         extra = {"planned_makespan_s": trainer.freezer.planned_makespan_s, "plan": trainer.freezer.plan,
+                 "unfrozen_makespan_s": trainer.freezer.unfrozen_makespan_s,
                  "policies": trainer.policies,
                  "offload_shares": [c.offload_share for c in trainer.memory.chunks],
                  "states_on_host": trainer.memory.states_on_host}

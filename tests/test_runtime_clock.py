@@ -1,5 +1,6 @@
 """One clock across ranks (runtime/clock.py): NTP's estimate against known offsets, and a real 2-rank job
-whose rank 1 reads a clock 5 s ahead (as another node's would) — aligned, its timeline is causal."""
+whose rank 1 reads a clock 5 s ahead and writes to another output folder (as another node would): aligned,
+its timeline is causal, and rank 0's outputs reach the other "node". Inputs are checked on every rank."""
 
 from __future__ import annotations
 
@@ -40,22 +41,52 @@ def test_the_minimum_delay_sample_wins_and_drift_is_linear():
     assert step_origins([5.000, 5.003], [ClockFit(OffsetSample(0, 0, 0))] * 2) == pytest.approx([0.0, 0.003])
 
 
-def _job(rank: int, world: int, out: str) -> None:
+TINY2 = {"model.hidden": 32, "model.layers": 4, "model.ffn_hidden": 64, "model.seq_len": 16,
+         "pipeline.stages": 2, "pipeline.microbatches": 4, "pipeline.schedule": "1f1b"}
+
+
+def _job(rank: int, world: int, out: str) -> str:
     import torch
 
-    from runtime.worker import run_job
+    from runtime.worker import check_inputs_everywhere, run_job
+    from sim.errors import PipeplanError
 
-    cfg = RunConfig(overrides={"model.hidden": 32, "model.layers": 4, "model.ffn_hidden": 64, "model.seq_len": 16,
-                               "pipeline.stages": 2, "pipeline.microbatches": 4, "pipeline.schedule": "1f1b"},
-                    data="synthetic", steps=3, timeout_s=60, clock_skew_s=SKEW_S, out_dir=out)
+    # rank 1 stands for a node that lacks the data file: every rank learns it, before any work
+    missing = RunConfig(overrides=TINY2, data="/no/such/corpus.txt" if rank == 1 else "synthetic")
+    try:
+        check_inputs_everywhere(missing, rank, world)
+        error = ""
+    except PipeplanError as exc:
+        error = str(exc)
+    cfg = RunConfig(overrides=TINY2, data="synthetic", steps=3, timeout_s=60, clock_skew_s=SKEW_S,
+                    out_dir=f"{out}/node{rank}")  # another output folder: another node's
     run_job(cfg, rank, world, torch.device("cpu"))
+    return error
 
 
 @pytest.fixture(scope="module")
-def skewed(tmp_path_factory):
+def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("skewed")
-    spawn(_job, 2, str(out), timeout_s=240)
-    return out
+    errors = spawn(_job, 2, str(out), timeout_s=240)
+    return out, errors
+
+
+@pytest.fixture(scope="module")
+def skewed(job):
+    return job[0] / "node0"
+
+
+def test_every_rank_checks_the_inputs_and_names_the_one_that_lacks_them(job):
+    _, errors = job
+    assert errors[0] == errors[1] and errors[0].startswith("rank 1 on ") and "/no/such/corpus.txt" in errors[0]
+
+
+def test_rank_0s_outputs_reach_the_other_node(job):
+    out, _ = job
+    node0, node1 = out / "node0", out / "node1"
+    names = sorted(p.name for p in node0.iterdir())
+    assert "summary.json" in names and sorted(p.name for p in node1.iterdir()) == names
+    assert all((node0 / n).read_bytes() == (node1 / n).read_bytes() for n in names)
 
 
 def test_a_skewed_clock_is_measured_and_removed(skewed):

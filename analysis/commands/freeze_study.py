@@ -11,15 +11,17 @@ monitoring, the LP, a ramp of the cap), so cap 0 has the same phases with a plan
 After each run the final weights (from its end-of-run checkpoint) are evaluated on held-out text.
 
     freeze_study.csv   cap, tokens, final_loss, heldout_loss, mean_step_time_s, predicted_step_time_s,
-                       wall_s, then median_step_time_s, cpu_time_per_step_s, planned_mean_ratio,
-                       realized_mean_ratio
+                       wall_s, then median_step_time_s, cpu_time_per_step_s,
+                       predicted_unfrozen_step_time_s, predicted_gain, planned_mean_ratio, realized_mean_ratio
     loss_curves.png    training loss against tokens and against wall time, one line per cap
     cap-C/             that run's `pipeplan run` outputs (metrics.csv, timelines, summary.json, ...)
 
 final_loss is the mean training loss over the last tenth of the steps (one step's loss is one batch's);
 mean_step_time_s the mean wall time of the steady steps (median and CPU time per step beside it: the
 CPU time is what other jobs on a shared machine do not inflate); predicted_step_time_s the LP plan's
-simulated makespan at the cap, from the run's own monitoring; wall_s the whole job, launch included.
+simulated makespan at the cap, from the run's own monitoring, and predicted_gain its ratio to the same
+simulation with nothing frozen (predicted_unfrozen_step_time_s): a gain predicted from one monitoring,
+so that runs monitored under different machine load compare; wall_s the whole job, launch included.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ DEFAULT_CAPS = "0,0.3,0.6,0.9"
 HELDOUT_MICROBATCHES = 32  # evaluation windows of the held-out split (x micro_batch_size sequences)
 FINAL_SHARE = 0.1  # final_loss: the mean over this last share of the steps
 COLUMNS = ("cap", "tokens", "final_loss", "heldout_loss", "mean_step_time_s", "predicted_step_time_s", "wall_s",
-           "median_step_time_s", "cpu_time_per_step_s", "planned_mean_ratio", "realized_mean_ratio")
+           "median_step_time_s", "cpu_time_per_step_s", "predicted_unfrozen_step_time_s", "predicted_gain",
+           "planned_mean_ratio", "realized_mean_ratio")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,6 +157,9 @@ def study_row(cap: float, tokens: int, run_dir: Path, summary: dict, wall_s: flo
         "wall_s": wall_s,
         "median_step_time_s": float(steady["step_time_s"].median()),
         "cpu_time_per_step_s": float(steady["cpu_time_s"].mean()),
+        "predicted_unfrozen_step_time_s": summary.get("planned_unfrozen_makespan_s"),
+        "predicted_gain": (summary["planned_makespan_s"] / summary["planned_unfrozen_makespan_s"]
+                           if summary.get("planned_unfrozen_makespan_s") else None),
         "planned_mean_ratio": summary.get("planned_mean_ratio"),
         "realized_mean_ratio": summary.get("realized_mean_ratio"),
     }
@@ -186,21 +192,20 @@ def heldout_loss(cfg, ckpt: Path, ranks: int) -> float:
 
 
 def print_study(table) -> None:
+    import pandas as pd
     from rich.table import Table
 
     from analysis.console import console
 
-    base = table.iloc[0]
+    base = table.loc[table["cap"].idxmin()]  # the least-frozen run: the others' reference
     t = Table(title="freeze study", header_style="bold")
-    for col in ("cap", "final loss", "held-out loss", "step (ms)", "vs first", "predicted (ms)",
-                "predicted vs first", "CPU s/step", "ratio"):
+    for col in ("cap", "final loss", "held-out loss", "step (ms)", f"measured vs cap {base['cap']:g}",
+                "predicted (ms)", "predicted gain", "CPU s/step", "frozen share"):
         t.add_column(col, justify="right")
-    for _, r in table.iterrows():
-        pred = r["predicted_step_time_s"]
+    for _, r in table.sort_values("cap").iterrows():
+        pred, gain = r["predicted_step_time_s"], r["predicted_gain"]
         t.add_row(f"{r['cap']:g}", f"{r['final_loss']:.4f}", f"{r['heldout_loss']:.4f}",
                   f"{r['mean_step_time_s'] * 1e3:.1f}", f"{r['mean_step_time_s'] / base['mean_step_time_s']:.3f}",
-                  "n/a" if pred is None else f"{pred * 1e3:.1f}",
-                  "n/a" if pred is None or not base["predicted_step_time_s"] else
-                  f"{pred / base['predicted_step_time_s']:.3f}",
+                  "n/a" if pd.isna(pred) else f"{pred * 1e3:.1f}", "n/a" if pd.isna(gain) else f"{gain:.3f}",
                   f"{r['cpu_time_per_step_s']:.3f}", f"{r['realized_mean_ratio'] or 0:.2f}")
     console.print(t)
