@@ -44,7 +44,7 @@ class RunConfig:
     freeze_monitor: int = 2
     """Monitoring steps, alternately unfrozen (w_max) and fully frozen (w_min); at least 2."""
     freeze_ramp: int = 2
-    """Steps over which the ratios rise linearly to the plan."""
+    """Steps over which the cap rises linearly to freeze_cap, the LP re-solved for each step's cap."""
     freeze_redraw: int = 5
     """Draw new frozen parameter sets every this many steps (K)."""
     costs: str | None = None
