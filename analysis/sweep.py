@@ -51,6 +51,8 @@ def parse_scalar(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text  # a bare word such as 1f1b or zbv
+    except (RecursionError, ValueError):  # arrays nested thousands deep; integers of 4,300+ digits
+        raise PipeplanError(f"value {text[:40]!r}...: nested too deeply or too long to be a TOML value") from None
 
 
 def configurations(grid: dict[str, list[Any]]) -> Iterator[dict[str, Any]]:
