@@ -40,13 +40,17 @@ def run(args: argparse.Namespace) -> int:
     from analysis.commands.simulate import scenario_overrides
     from analysis.console import console
     from analysis.outputs import scenario_title
-    from analysis.sweep import parse_grid, run_sweep
+    from analysis.sweep import parse_grid, run_sweep, validate_grid
     from analysis.sweep_plots import heatmap_plot, pareto_plot, print_invalid, print_ranked
+    from sim.limits import MAX_JOBS
 
     grid = parse_grid(args.grid)
+    validate_grid(grid)
     base = scenario_overrides(args)
-    if args.jobs < 1:
-        raise PipeplanError(f"--jobs: {args.jobs}; must be >= 1")
+    if not 1 <= args.jobs <= MAX_JOBS:
+        raise PipeplanError(f"--jobs: {args.jobs}; must be 1..{MAX_JOBS}")
+    if args.top < 1:
+        raise PipeplanError(f"--top: {args.top}; must be >= 1")
     clash = sorted(set(base) & set(grid))
     if clash:
         raise PipeplanError(f"--set {clash[0]}: also a --grid key; give it in one of them")
