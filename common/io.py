@@ -16,6 +16,7 @@ This module imports nothing from the project, so sim/, lcp/ and analysis/ can al
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -51,26 +52,30 @@ class OutputValueError(OutputError):
 
 def check_output_file(path: str | Path, flag: str = "--out") -> Path:
     """`path` as a Path if a file may be (re)written there; OutputPathError naming the problem if not."""
-    p = _checked_path(path, flag)
+    p = _nonempty(path, flag)
     kind = _existing_kind(p)
     if kind not in (None, "file"):
         raise OutputPathError(f"{flag} {_short(p)}: is a {kind}, not a regular file; give a file path")
-    return p
+    return _checked_path(p, flag)
 
 
 def check_output_folder(path: str | Path, flag: str = "--out") -> Path:
     """`path` as a Path if an output folder may be written there (absent, or an existing real folder)."""
-    p = _checked_path(path, flag)
+    p = _nonempty(path, flag)
     kind = _existing_kind(p)
     if kind not in (None, "folder"):
         raise OutputPathError(f"{flag} {_short(p)}: is a {kind}, not a folder; give a folder path")
-    return p
+    return _checked_path(p, flag)
 
 
-def _checked_path(path: str | Path, flag: str) -> Path:
-    if not str(path).strip():
+def _nonempty(path: str | Path, flag: str) -> Path:
+    if not str(path).strip():  # Path("") is ".": the current folder, never what was meant
         raise OutputPathError(f"{flag}: empty path; give a file or folder name")
-    p = Path(path)
+    return Path(path)
+
+
+def _checked_path(p: Path, flag: str) -> Path:
+    """Not on /proc, /sys or /dev (but /dev/shm), and no file where a parent folder should be."""
     parent = p.absolute().parent
     resolved = str((parent.resolve() if parent.exists() else Path(os.path.abspath(parent))) / p.name)
     def under(root: str) -> bool:
@@ -238,6 +243,7 @@ def staged_output(
     if manifest is not None:
         check_folder_owner(out, str(manifest.get("command")), force)
     parent = out.absolute().parent
+    created = [p for p in (parent, *parent.parents) if not p.exists()]  # to remove again if we fail
     parent.mkdir(parents=True, exist_ok=True)
     clean_stale_staging(out)
     stage = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.staging-{os.getpid()}-"))
@@ -250,6 +256,12 @@ def staged_output(
         if manifest is not None:
             check_folder_owner(out, str(manifest.get("command")), force)
         _swap_in(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        for p in created:  # innermost first; a folder someone else has filled meanwhile stays
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
