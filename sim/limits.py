@@ -6,7 +6,8 @@ still simulates in bounded time and memory (measured in docs/reliability.md):
 
 - MAX_ACTIONS: pipeline.stages x virtual_stages x microbatches x 3 kinds (F, I, W) = 524,288. The largest
   schedule `pipeplan bench sim` times (interleaved-1f1b p=64 m=512 v=2, 196,608 actions with split backward)
-  fits with room; at the limit `simulate` takes about a minute and ~4 GB, dominated by its trace and plots.
+  fits with room; at the limit (zb-h1, p=64, m=2,730: 524,160 actions) `simulate` took 69 s of CPU and
+  3.3 GB here, most of it writing the trace and plots (docs/reliability.md).
 - MAX_CHUNKS: stages x virtual_stages = 4,096 model chunks (e.g. 512 ranks x 8 virtual stages).
 - MAX_LAYERS: 10,000 decoder layers (the deepest published LLMs have ~120-130).
 - MAX_MODEL_DIM: 2**24 for hidden, ffn_hidden, heads, kv_heads, vocab, seq_len and micro_batch_size:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 import sys
 import tempfile
 import time
@@ -37,14 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     counts: collections.Counter[str] = collections.Counter()
     slow: list[dict] = []
+    reasons: collections.Counter[str] = collections.Counter()
+    cpu_max = {"refused": 0.0, "result": 0.0}
     failures = (out / "failures.jsonl").open("w")
     start = time.perf_counter()
 
     @seed(args.seed)
     @settings(max_examples=args.cases, deadline=None, database=None, phases=("generate",),
               suppress_health_check=list(HealthCheck))
-    @given(st.one_of(command_line(), command_line(), command_line(), command_line(), command_line(),
-                     command_line(), sweep_line(), run_line()))
+    @given(st.integers(0, 9).flatmap(lambda i: sweep_line() if i == 0 else run_line() if i == 1 else command_line()))
     def one(case: Case) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             outcome = run_case(case, Path(tmp))
@@ -54,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
                "other outcome"] += 1
         for problem in outcome.problems:
             counts[_kind(problem)] += 1
+        if outcome.code == 2:
+            reasons[_reason(outcome.stderr)] += 1
+            cpu_max["refused"] = max(cpu_max["refused"], outcome.cpu_s)
+        if outcome.code == 0:
+            cpu_max["result"] = max(cpu_max["result"], outcome.cpu_s)
         if outcome.code == 2 and outcome.cpu_s > SLOW_S:
             counts["refused after > 10 s CPU"] += 1
         if outcome.code == 0 and outcome.cpu_s > SLOW_S:
@@ -68,11 +75,21 @@ def main(argv: list[str] | None = None) -> int:
     one()
     failures.close()
     summary = {"seed": args.seed, "cases": counts["cases"], "wall_s": round(time.perf_counter() - start, 1),
-               "counts": dict(sorted(counts.items())), "slow": slow}
+               "counts": dict(sorted(counts.items())), "max_cpu_s": {k: round(v, 2) for k, v in cpu_max.items()},
+               "refusals_by_reason": dict(reasons.most_common()), "slow": slow}
     (out / "campaign.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary["counts"], indent=2))
+    print(json.dumps({k: summary[k] for k in ("counts", "max_cpu_s")}, indent=2))
     bad = sum(v for k, v in counts.items() if k.startswith("problem:")) + counts["refused after > 10 s CPU"]
     return 1 if bad else 0
+
+
+def _reason(stderr: str) -> str:
+    """What a refusal is about: its message with paths, numbers and quoted echoes blanked, cut short."""
+    text = stderr.split("error: ", 1)[-1]
+    text = re.sub(r"\S*/\S*", "PATH", text)
+    text = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", text)
+    text = re.sub(r"[-+]?\d[\d,.e+]*", "N", text)
+    return text.split(";")[0].strip()[:60]
 
 
 def _kind(problem: str) -> str:

@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
         raise ScenarioError(f"--min-throughput: {args.min_throughput} must be in (0, 10] (1.0 = plain 1F1B's)")
     if not 2 <= args.points <= 256:
         raise ScenarioError(f"--points: {args.points} must be from 2 to 256")
+    if not 0 < args.target_ratio <= 1000:  # NaN fails too
+        raise ScenarioError(f"--target-ratio: {args.target_ratio}; give a multiple of 1F1B's depth in (0, 1000]")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if args.frontier and "1f1b" not in policies:
         policies.insert(0, "1f1b")  # the reference every frontier row is measured against
