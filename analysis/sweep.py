@@ -200,7 +200,8 @@ def repair_sweep_csv(path: Path, columns: list[str], base: dict[str, Any] | None
 
     A row is kept when it has one field per column, a status of ok or invalid, no NUL, valid UTF-8, and a
     config_id equal to the hash of its own grid values (with the sweep's --set `base`): a line damaged
-    anywhere in its id or its values is caught, and so is a row made under other --set values. A header of another grid is an error (another sweep's folder), as before.
+    anywhere in its id or its values is caught, and so is a row made under other --set values. A header of
+    another grid is an error (another sweep's folder), as before.
     """
     if not path.is_file():
         return 0

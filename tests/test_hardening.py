@@ -252,6 +252,6 @@ def test_resume_moves_damaged_lines_aside_and_recomputes_them(tmp_path, capsys):
     csv.write_bytes(b"\n".join([header, flipped, b"garbage", b"\0" * 40, b"\xff\xfe", second]) + b"\n" + third[:9])
     again = run_sweep(UNIT, grid, tmp_path, jobs=1, plan_freeze=False)
     assert sorted(again["config_id"]) == sorted(rows["config_id"])
-    assert "5 damaged line(s) moved to sweep.rejected.csv" in capsys.readouterr().err
+    assert "5 damaged line(s) (or rows of other --set values) moved to sweep.rejected.csv" in capsys.readouterr().err
     assert (tmp_path / "sweep.rejected.csv").read_bytes().count(b"\n") == 5
     assert len(csv.read_text().splitlines()) == 4  # header + three good rows, no garbage kept
