@@ -133,12 +133,12 @@ def describe_unexpected(exc: BaseException) -> str:
 def check_outputs_first(args: argparse.Namespace) -> None:
     """Refuse a bad --out before any work: an empty path, a device or link, a file where a folder goes,
     /proc, or a folder holding another command's outputs (without --force)."""
-    from analysis.outputs import command_name
-    from common.io import check_folder_owner, check_output_file, check_output_folder
-
     out = getattr(args, "out", None)
     if out is None:
         return
+    from analysis.outputs import command_name
+    from common.io import check_folder_owner, check_output_file, check_output_folder
+
     if getattr(args, "lcp_command", None) in ("build", "query"):
         check_output_file(out)
         return

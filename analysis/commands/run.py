@@ -174,19 +174,25 @@ def check_checkpoint(root: str, ranks: range | tuple[()]) -> None:
     except FileNotFoundError:
         raise PipeplanError(f"--resume: no complete checkpoint in {root[:80]} (no 'latest' file)") from None
     except (OSError, ValueError):
-        raise PipeplanError(f"--resume: {str(marker)[:80]} does not hold a step number; the checkpoint is broken") \
+        raise PipeplanError(f"--resume: {_tail(marker)} does not hold a step number; the checkpoint is broken") \
             from None
     for rank in ranks:
         path = checkpoint.step_dir(root, step) / f"rank-{rank}.pt"
         if not path.is_file():
-            raise PipeplanError(f"--resume: {str(path)[:100]} is missing; was it written with this many ranks?")
+            raise PipeplanError(f"--resume: {_tail(path)} is missing; was it written with this many ranks?")
         try:
             checkpoint.load(root, rank, torch.device("cpu"))
         except PipeplanError:
             raise
         except Exception as exc:  # truncated zip, bad pickle, refused global: all one line
-            raise PipeplanError(f"--resume: {str(path)[:100]} cannot be loaded ({type(exc).__name__}); "
+            raise PipeplanError(f"--resume: {_tail(path)} cannot be loaded ({type(exc).__name__}); "
                                 "the checkpoint is broken or was not written by pipeplan run") from None
+
+
+def _tail(path: Path, limit: int = 60) -> str:
+    """A path short enough for a one-line error, keeping its end (the file name), not its start."""
+    text = str(path)
+    return text if len(text) <= limit else "..." + text[3 - limit :]
 
 
 def run(args: argparse.Namespace) -> int:
