@@ -14,13 +14,15 @@
     pipeplan lcp build|query|bench ...
 
 Every subcommand lives in `analysis/commands/<name>.py` and is registered once, in COMMANDS below.
-Bad input of any kind exits with code 2 and one line on stderr; no traceback.
+Bad input of any kind exits with code 2 and one line on stderr (at most MAX_ERROR_CHARS); no traceback.
+Set PIPEPLAN_TRACEBACK=1 to see the traceback of an unexpected error instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 RUNTIME_EXTRA = "pip install -c constraints.txt -e '.[runtime]' (or pip install 'pipeplan[runtime]')"
@@ -50,7 +52,17 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad flag as one line (not usage + message) and exits 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, one_line(f"{self.prog}: error: {message}") + "\n")
+
+
+MAX_ERROR_CHARS = 200
+"""An error line is cut to this length: inputs echoed in messages can be megabytes long."""
+
+
+def one_line(message: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """`message` on one line, cut to `limit` characters (the cut marked with '...')."""
+    text = " ".join(message.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def version() -> str:
@@ -101,29 +113,67 @@ def exit_missing(command: str, exc: ModuleNotFoundError) -> None:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """Exception types that mean bad input: reported as one line with exit code 2. LCPError counts only once
-    lcp is loaded (importing the lcp package imports torch, which torch-free commands must not)."""
+    """Exception types that mean bad input: reported as one line with exit code 2."""
+    from common.io import OutputError
     from sim.errors import PipeplanError
 
-    lcp_errors = sys.modules.get("lcp.errors")
-    return (PipeplanError, lcp_errors.LCPError) if lcp_errors is not None else (PipeplanError,)
+    lcp_errors = sys.modules.get("lcp.errors")  # only raised if lcp was imported; importing it costs torch
+    return (PipeplanError, OutputError, *([lcp_errors.LCPError] if lcp_errors else []))
+
+
+def describe_unexpected(exc: BaseException) -> str:
+    """One line for an error no check anticipated: what kind of input causes it, and no traceback."""
+    if isinstance(exc, RecursionError):
+        return "input nested too deeply (a TOML or JSON value inside thousands of tables or lists)"
+    if isinstance(exc, MemoryError):
+        return "out of memory: the input asks for more than this machine holds; choose smaller sizes"
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f": {exc.filename}" if exc.filename else ""
+        return f"{exc.strerror}{where}"
+    return f"unexpected {type(exc).__name__}: {exc}; please report it with the command that caused it"
+
+
+def check_outputs_first(args: argparse.Namespace) -> None:
+    """Refuse a bad --out before any work: an empty path, a device or link, a file where a folder goes,
+    /proc, or a folder holding another command's outputs (without --force)."""
+    out = getattr(args, "out", None)
+    if out is None:
+        return
+    from analysis.outputs import command_name
+    from common.io import check_folder_owner, check_output_file, check_output_folder
+
+    if getattr(args, "lcp_command", None) in ("build", "query"):
+        check_output_file(out)
+        return
+    check_folder_owner(check_output_folder(out), command_name(args), bool(getattr(args, "force", False)))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(only=chosen).parse_args(argv)
+    prefix = f"pipeplan {args.command}: error: "
     try:
+        check_outputs_first(args)
         return int(args._run(args) or 0)
     except ModuleNotFoundError as exc:
-        exit_missing(args.command, exc)
-        raise
+        if (exc.name or "").split(".")[0] == "torch":
+            exit_missing(args.command, exc)
+        if os.environ.get("PIPEPLAN_TRACEBACK"):
+            raise
+        print(one_line(prefix + describe_unexpected(exc)), file=sys.stderr)
+        return 2
     except user_errors() as exc:
-        print(f"pipeplan {args.command}: error: {exc}", file=sys.stderr)
+        print(one_line(f"{prefix}{exc}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"pipeplan {args.command}: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except Exception as exc:  # every error is one line: an unanticipated one too (PIPEPLAN_TRACEBACK=1: raise)
+        if os.environ.get("PIPEPLAN_TRACEBACK"):
+            raise
+        print(one_line(prefix + describe_unexpected(exc)), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

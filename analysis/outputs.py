@@ -1,15 +1,22 @@
-"""Write the full set of outputs of one simulated step into a folder (used by simulate, plan, capacity)."""
+"""Output folders: whose they are (the manifest), how they are swapped in, and the outputs of one simulated
+step (used by simulate, plan, capacity)."""
 
 from __future__ import annotations
 
+import argparse
+import math
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 from analysis.chrome_trace import chrome_trace
 from analysis.plots import gantt, memory_plot
-from common.io import atomic_write_json, atomic_write_text
+from common.io import atomic_write_json, atomic_write_text, staged_output
 from sim.config import Scenario
 from sim.engine import SimResult
+from sim.errors import PipeplanError
 from sim.trace import memory_frame, simulation_summary, timeline_frame
 
 
@@ -28,6 +35,7 @@ def write_simulation(result: SimResult, folder: Path, title: str, extra: dict[st
     """summary.json, timeline.csv, memory.csv, schedule.csv, trace.json, gantt.png, memory.png."""
     folder.mkdir(parents=True, exist_ok=True)
     summary = simulation_summary(result) | (extra or {})
+    check_finite(summary)
     timeline = timeline_frame(result)
     memory = memory_frame(result)
     atomic_write_json(folder / "summary.json", summary)
@@ -39,3 +47,64 @@ def write_simulation(result: SimResult, folder: Path, title: str, extra: dict[st
     cap = result.costs.hbm_bytes
     memory_plot(memory, folder / "memory.png", cap if cap != float("inf") else None, title)
     return summary
+
+
+def add_force_argument(parser: argparse.ArgumentParser) -> None:
+    """--force: replace an --out folder that holds another command's outputs (or files pipeplan did not write)."""
+    parser.add_argument("--force", action="store_true",
+                        help="replace --out even if it holds another command's outputs (as a whole)")
+
+
+def command_name(args: argparse.Namespace) -> str:
+    """'simulate', 'plan', 'bench sim', ...: the writer recorded in an output folder's manifest."""
+    sub = getattr(args, "bench", None) or getattr(args, "lcp_command", None)
+    return f"{args.command} {sub}" if sub else str(args.command)
+
+
+def manifest(args: argparse.Namespace) -> dict[str, Any]:
+    """pipeplan.json: the command, scenario and pipeplan version that wrote a folder."""
+    scenario = getattr(args, "scenario", None)
+    return {"command": command_name(args), "scenario": None if scenario is None else str(scenario),
+            "pipeplan_version": pipeplan_version()}
+
+
+def output_folder(args: argparse.Namespace, out: str | Path | None = None) -> AbstractContextManager[Path]:
+    """`staged_output` for this command's --out (or `out`), with its manifest and --force."""
+    return staged_output(args.out if out is None else out, manifest(args), bool(getattr(args, "force", False)))
+
+
+@cache
+def pipeplan_version() -> str:
+    """The installed distribution's version, else pyproject.toml's (a source checkout), else 'unknown'."""
+    import importlib.metadata
+    import tomllib
+
+    try:
+        return importlib.metadata.version("pipeplan")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        with (Path(__file__).resolve().parents[1] / "pyproject.toml").open("rb") as f:
+            return str(tomllib.load(f)["project"]["version"])
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "unknown"
+
+
+def check_finite(summary: dict[str, Any]) -> None:
+    """Refuse a result with an infinite or NaN number (inputs so large that the arithmetic overflowed)."""
+    bad = next((k for k, v in _numbers(summary) if not math.isfinite(v)), None)
+    if bad is not None:
+        raise PipeplanError(
+            f"result {bad}: is not a finite number; costs or sizes this large overflow (see docs/reliability.md)"
+        )
+
+
+def _numbers(obj: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
+    if isinstance(obj, float):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _numbers(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            yield from _numbers(v, f"{prefix}[{i}]")

@@ -11,11 +11,12 @@ import hashlib
 import itertools
 import json
 import os
+import sys
 import tomllib
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple, get_args
 
 import pandas as pd
 
@@ -39,10 +40,65 @@ def parse_grid(items: list[str]) -> dict[str, list[Any]]:
             raise PipeplanError(f"--grid {item!r}: expected KEY=V1,V2,... e.g. pipeline.stages=2,4,8")
         if key in grid:
             raise PipeplanError(f"--grid {key}: given twice; list all its values in one --grid")
-        grid[key] = [parse_scalar(v.strip()) for v in values.split(",") if v.strip()]
+        parsed = [parse_scalar(v.strip()) for v in values.split(",") if v.strip()]
+        grid[key] = list({_value_key(v): v for v in reversed(parsed)}.values())[::-1]  # once each, first kept
     if not grid:
         raise PipeplanError("--grid: give at least one KEY=V1,V2,...")
     return grid
+
+
+def _value_key(value: Any) -> str:
+    """Values equal as config_id sees them (4 and 4 are one value; 4, 4.0 and true are three)."""
+    return json.dumps(value, sort_keys=True)
+
+
+def validate_grid(grid: dict[str, list[Any]]) -> None:
+    """Refuse, before any work, a grid key the scenario does not have, a value of the wrong type or out of its
+    field's range, and a grid of more than MAX_SWEEP_CONFIGS combinations. What depends on other keys
+    (layers divisible by stages, a schedule's virtual stages) stays a per-row `invalid` with its reason."""
+    import math
+
+    from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+    from sim.limits import MAX_SWEEP_CONFIGS
+
+    total = math.prod(len(v) for v in grid.values())
+    if total > MAX_SWEEP_CONFIGS:
+        raise PipeplanError(f"--grid: {total:,} combinations; the limit is {MAX_SWEEP_CONFIGS:,}")
+    for key, values in grid.items():
+        field = _scenario_field(key)
+        ann = field.annotation if not field.metadata else Annotated[field.annotation, *field.metadata]
+        check = TypeAdapter(ann, config=ConfigDict(strict=True))
+        for value in values:
+            try:
+                check.validate_python(value)
+            except ValidationError as exc:
+                msg = exc.errors(include_url=False)[0]["msg"]
+                raise PipeplanError(f"--grid {key}: value {str(value)[:40]!r}: {msg.lower()}") from None
+
+
+def _scenario_field(key: str) -> Any:
+    """The pydantic field of a dotted scenario key; PipeplanError listing the allowed keys if none."""
+    from pydantic import BaseModel
+
+    from sim.config import Scenario
+
+    model: type[BaseModel] = Scenario
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        where = ".".join(parts[:depth]) or "scenario"
+        if field is None:
+            raise PipeplanError(f"--grid {key[:60]}: {where} has no key {part[:40]!r}; allowed: "
+                                f"{', '.join(model.model_fields)}")
+        if depth == len(parts) - 1:
+            return field
+        options = get_args(field.annotation) or (field.annotation,)
+        inner = next((a for a in options if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if inner is None:
+            raise PipeplanError(f"--grid {key[:60]}: {'.'.join(parts[: depth + 1])} is a value, not a table")
+        model = inner
+    raise PipeplanError(f"--grid {key[:60]}: not a scenario key")
 
 
 def parse_scalar(text: str) -> Any:
@@ -51,6 +107,8 @@ def parse_scalar(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text  # a bare word such as 1f1b or zbv
+    except (RecursionError, ValueError):  # arrays nested thousands deep; integers of 4,300+ digits
+        raise PipeplanError(f"value {text[:40]!r}...: nested too deeply or too long to be a TOML value") from None
 
 
 def configurations(grid: dict[str, list[Any]]) -> Iterator[dict[str, Any]]:
@@ -132,17 +190,86 @@ def load_rows(path: Path, columns: list[str]) -> pd.DataFrame:
     return pd.read_csv(StringIO(text), keep_default_na=False, na_values=[""]).drop_duplicates("config_id")
 
 
-def _drop_torn_tail(path: Path) -> None:
-    """Cut a partial last line (a crash mid-append) so the next append starts on a fresh line."""
-    if path.exists():
-        text = path.read_text()
-        if text and not text.endswith("\n"):
-            from common.io import atomic_write_text
+REJECTED = "sweep.rejected.csv"
+"""Lines of sweep.csv that are not rows this sweep wrote (garbage, a flipped id, NULs, a torn end)."""
 
-            atomic_write_text(path, text[: text.rfind("\n") + 1])
+
+def repair_sweep_csv(path: Path, columns: list[str], base: dict[str, Any] | None = None) -> int:
+    """Move every line of `path` that is not a well-formed row of this grid to sweep.rejected.csv (so its
+    configuration is computed again) and cut a torn last line; returns the number of lines moved.
+
+    A row is kept when it has one field per column, a status of ok or invalid, no NUL, valid UTF-8, and a
+    config_id equal to the hash of its own grid values (with the sweep's --set `base`): a line damaged
+    anywhere in its id or its values is caught, and so is a row made under other --set values. A header of
+    another grid is an error (another sweep's folder), as before.
+    """
+    if not path.is_file():
+        return 0
+    data = path.read_bytes()
+    *lines, tail = data.split(b"\n")  # tail: b"" when the file ends with a newline, else a torn line
+    header = ",".join(columns).encode()
+    if not lines:  # nothing complete yet: at most a torn header
+        if tail and not header.startswith(tail):
+            raise PipeplanError(f"{path}: does not start with this sweep's header; use another --out")
+        if tail:
+            _rewrite(path, [])
+        return 0
+    if lines[0] != header:
+        shown = lines[0][:80].decode(errors="replace")
+        raise PipeplanError(f"{path}: was written by a sweep with other grid keys ({shown}); use another --out")
+    grid_keys = [c for c in columns[1:] if c not in METRICS]
+    good: list[bytes] = []
+    bad: list[bytes] = []
+    seen: set[str] = set()
+    for line in lines[1:]:
+        cid = _row_id(line, columns, grid_keys, base)
+        (good if cid is not None and cid not in seen else bad).append(line)
+        seen.add(cid or "")
+    if tail:
+        bad.append(tail)
+    if bad:
+        fd = os.open(path.parent / REJECTED, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, b"".join(line + b"\n" for line in bad))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _rewrite(path, [header, *good])
+    return len(bad)
+
+
+def _rewrite(path: Path, lines: list[bytes]) -> None:
+    from common.io import atomic_write_bytes
+
+    atomic_write_bytes(path, b"".join(line + b"\n" for line in lines))
+
+
+def _row_id(line: bytes, columns: list[str], grid_keys: list[str], base: dict[str, Any] | None) -> str | None:
+    """The config_id of a well-formed row of this grid, or None for anything else."""
+    import csv
+
+    if b"\0" in line:
+        return None
+    try:
+        fields = next(csv.reader([line.decode("utf-8")]), [])
+    except (UnicodeDecodeError, csv.Error):
+        return None
+    if len(fields) != len(columns) or fields[columns.index("status")] not in ("ok", "invalid"):
+        return None
+    try:
+        overrides = {k: _cell_value(fields[1 + i]) for i, k in enumerate(grid_keys)}
+    except PipeplanError:
+        return None
+    return fields[0] if config_id(overrides, base) == fields[0] else None
+
+
+def _cell_value(text: str) -> Any:
+    """A grid value back from its CSV cell (pandas writes booleans as True/False, TOML as true/false)."""
+    return {"True": True, "False": False}.get(text, parse_scalar(text) if text else text)
 
 
 def append_row(path: Path, row: dict[str, Any], columns: list[str]) -> None:
+    row = {k: " ".join(v.split()) if isinstance(v, str) else v for k, v in row.items()}  # one line per row
     line = pd.DataFrame([row], columns=columns).to_csv(index=False, header=False)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -173,11 +300,15 @@ def run_sweep(
     from sim.config import load_scenario
 
     load_scenario(scenario, base)  # a bad base scenario is one error, not a thousand invalid rows
+    validate_grid(grid)  # so is a misspelt key or a value of the wrong type
     columns = ["config_id", *grid, *METRICS]
     path = out / "sweep.csv"
     out.mkdir(parents=True, exist_ok=True)
+    moved = repair_sweep_csv(path, columns, base)
+    if moved:
+        print(f"warning: {path}: {moved} damaged line(s) (or rows of other --set values) moved to {REJECTED}; "
+              "computing them again", file=sys.stderr)
     done = load_rows(path, columns)
-    _drop_torn_tail(path)
     seen = set(done["config_id"])
     todo = [c for c in configurations(grid) if config_id(c, base) not in seen]
     total = len(seen) + len(todo)

@@ -1,20 +1,123 @@
-"""Atomic output: files appear complete or not at all, and a failed command leaves DIR untouched."""
+"""Writes that never destroy: files appear complete or not at all, folders are swapped in as a whole.
+
+- `atomic_write_*` write a temporary file beside PATH and rename it over PATH; they refuse a PATH that
+  exists and is not a regular file (a symlink, a device node, a folder, a fifo), so an `--out` that names
+  `/dev/sda` or a link is never replaced.
+- `staged_output` builds a command's whole output folder privately, then swaps it in: the old folder is
+  renamed aside, the new one into place, and only then is the old one deleted. A failure at any point
+  leaves the old folder exactly as it was. Each folder carries a manifest (`pipeplan.json`: command,
+  scenario, version) saying whose outputs it holds; a folder of another command's outputs (or of files
+  pipeplan did not write) is refused unless `force`.
+- A staging folder left by a killed process (`.<out>.staging-<pid>-*`) is deleted by the next run.
+
+This module imports nothing from the project, so sim/, lcp/ and analysis/ can all use it; its errors are
+`OutputError`s, which the CLI reports as one line with exit code 2.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import shutil
+import stat
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+MANIFEST = "pipeplan.json"
+"""Written into every output folder: which command, scenario and pipeplan version wrote it."""
+FORBIDDEN_ROOTS = ("/proc", "/sys", "/dev")
+"""Kernel and device file systems: never an output location (but /dev/shm, a plain tmpfs, is)."""
+ALLOWED_UNDER_FORBIDDEN = ("/dev/shm",)
+LEGACY_STAGING_AGE_S = 24 * 3600
+"""A staging folder whose owner cannot be told (no pid in its name) is stale after a day."""
+
+
+class OutputError(Exception):
+    """An output that cannot be written without destroying something, or with invalid content."""
+
+
+class OutputPathError(OutputError):
+    """An output path that is empty, not a regular file (or folder), on /proc, or holds others' outputs."""
+
+
+class OutputValueError(OutputError):
+    """Content that has no valid encoding, e.g. a non-finite number in strict JSON."""
+
+
+def check_output_file(path: str | Path, flag: str = "--out") -> Path:
+    """`path` as a Path if a file may be (re)written there; OutputPathError naming the problem if not."""
+    p = _nonempty(path, flag)
+    kind = _existing_kind(p)
+    if kind not in (None, "file"):
+        raise OutputPathError(f"{flag} {_short(p)}: is a {kind}, not a regular file; give a file path")
+    return _checked_path(p, flag)
+
+
+def check_output_folder(path: str | Path, flag: str = "--out") -> Path:
+    """`path` as a Path if an output folder may be written there (absent, or an existing real folder)."""
+    p = _nonempty(path, flag)
+    kind = _existing_kind(p)
+    if kind not in (None, "folder"):
+        raise OutputPathError(f"{flag} {_short(p)}: is a {kind}, not a folder; give a folder path")
+    return _checked_path(p, flag)
+
+
+def _nonempty(path: str | Path, flag: str) -> Path:
+    if not str(path).strip():  # Path("") is ".": the current folder, never what was meant
+        raise OutputPathError(f"{flag}: empty path; give a file or folder name")
+    return Path(path)
+
+
+def _checked_path(p: Path, flag: str) -> Path:
+    """Not on /proc, /sys or /dev (but /dev/shm), and no file where a parent folder should be."""
+    parent = p.absolute().parent
+    resolved = str((parent.resolve() if parent.exists() else Path(os.path.abspath(parent))) / p.name)
+    def under(root: str) -> bool:
+        return resolved == root or resolved.startswith(root + "/")
+
+    if any(map(under, FORBIDDEN_ROOTS)) and not any(map(under, ALLOWED_UNDER_FORBIDDEN)):
+        raise OutputPathError(f"{flag} {_short(p)}: lies on a kernel or device file system; write elsewhere")
+    for parent in p.absolute().parents:
+        kind = _existing_kind(parent)
+        if kind is None or kind == "folder" or (kind == "symlink" and parent.is_dir()):
+            continue
+        raise OutputPathError(f"{flag} {_short(p)}: {_short(parent)} is a {kind}, not a folder")
+    return p
+
+
+def _existing_kind(p: Path) -> str | None:
+    """None if nothing is at p; else 'file', 'folder', 'symlink', 'device', 'fifo', 'socket'."""
+    try:
+        mode = p.lstat().st_mode
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        return "path under a file"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "folder"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    return "fifo" if stat.S_ISFIFO(mode) else "socket"
+
+
+def _short(p: str | Path, limit: int = 80) -> str:
+    text = str(p)
+    return text if len(text) <= limit else "..." + text[3 - limit :]  # keep the name, cut the folders
+
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write `data` to `path` through a temporary file in the same folder and an atomic rename."""
-    path = Path(path)
+    path = check_output_file(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -23,6 +126,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        check_output_file(path)  # what appeared at path while we wrote is not ours to replace either
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -39,28 +143,141 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def strict_json(obj: Any) -> str:
+    """JSON text as RFC 8259 defines it: a NaN or an infinity is an error, never `NaN`/`Infinity` tokens."""
+    try:
+        return json.dumps(obj, indent=2, sort_keys=False, allow_nan=False) + "\n"
+    except ValueError:
+        where = _non_finite_key(obj)
+        raise OutputValueError(
+            f"result {where or 'value'} is not a finite number; inputs this large or small cannot be simulated"
+        ) from None
+
+
+def _non_finite_key(obj: Any, prefix: str = "") -> str | None:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return prefix or None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list | tuple) else ()
+    for k, v in items:
+        found = _non_finite_key(v, f"{prefix}.{k}" if prefix else str(k))
+        if found:
+            return found
+    return None
+
+
 def atomic_write_json(path: str | Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    atomic_write_text(path, strict_json(obj))
+
+
+def output_manifest(path: str | Path) -> dict[str, Any] | None:
+    """The manifest of an output folder, or None if it has none (or an unreadable one)."""
+    try:
+        data = json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def check_folder_owner(out: Path, command: str, force: bool, flag: str = "--out") -> None:
+    """Refuse to replace a folder that holds files of another command, or files pipeplan did not write.
+
+    An absent or empty folder, or one written by the same `command`, is replaced; `force` replaces any.
+    """
+    if force or _existing_kind(out) != "folder" or not any(out.iterdir()):
+        return
+    owner = output_manifest(out)
+    if owner is None:
+        raise OutputPathError(
+            f"{flag} {_short(out)}: holds files pipeplan did not write (no {MANIFEST}); choose an empty or new "
+            "folder, or pass --force to replace it"
+        )
+    if owner.get("command") != command:
+        raise OutputPathError(
+            f"{flag} {_short(out)}: holds the outputs of `pipeplan {_short(str(owner.get('command')), 40)}`; "
+            "choose another folder, or pass --force to replace it"
+        )
+
+
+def clean_stale_staging(out: Path) -> None:
+    """Delete `.<out>.staging-*` and `.<out>.old-*` folders whose process has died (or, if unnamed, old)."""
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        return
+    for kind in ("staging", "old"):
+        for stale in parent.glob(f".{out.name}.{kind}-*"):
+            if _owner_alive(stale.name.removeprefix(f".{out.name}.{kind}-"), stale):
+                continue
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _owner_alive(suffix: str, folder: Path) -> bool:
+    pid_text = suffix.split("-", 1)[0]
+    if not pid_text.isdigit():  # made before staging names carried a pid
+        try:
+            return time.time() - folder.lstat().st_mtime < LEGACY_STAGING_AGE_S
+        except OSError:
+            return True
+    pid = int(pid_text)
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 @contextmanager
-def staged_output(out_dir: str | Path) -> Iterator[Path]:
-    """Yield a private staging folder; on success move every file into `out_dir`, on error discard it all.
+def staged_output(
+    out_dir: str | Path, manifest: dict[str, Any] | None = None, force: bool = False
+) -> Iterator[Path]:
+    """Yield a private staging folder; on success swap it in as `out_dir` (with `manifest` as pipeplan.json),
+    on error discard it. Readers see the old folder or the new one, never a mix of the two.
 
-    Each file lands by `os.replace`, so readers never see a half-written file and a command that fails
-    (bad input, solver failure, Ctrl-C) writes nothing to `out_dir`.
+    With a manifest whose "command" names the writer, a non-empty `out_dir` of another writer is refused
+    (OutputPathError) unless `force`.
     """
-    out = Path(out_dir)
-    parent = out.resolve().parent
+    out = check_output_folder(out_dir)
+    if manifest is not None:
+        check_folder_owner(out, str(manifest.get("command")), force)
+    parent = out.absolute().parent
+    created = [p for p in (parent, *parent.parents) if not p.exists()]  # to remove again if we fail
     parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.staging-"))
+    clean_stale_staging(out)
+    stage = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.staging-{os.getpid()}-"))
     try:
         yield stage
-        out.mkdir(parents=True, exist_ok=True)
-        for src in sorted(stage.rglob("*")):
-            if src.is_file():
-                dst = out / src.relative_to(stage)
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(src, dst)
+        if manifest is not None:
+            atomic_write_text(stage / MANIFEST, strict_json(manifest))
+        os.chmod(stage, 0o777 & ~_umask())  # mkdtemp makes 0700; outputs get the usual permissions
+        check_output_folder(out)  # again: something may have appeared there while we worked
+        if manifest is not None:
+            check_folder_owner(out, str(manifest.get("command")), force)
+        _swap_in(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        for p in created:  # innermost first; a folder someone else has filled meanwhile stays
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def _swap_in(stage: Path, out: Path) -> None:
+    """Rename the old folder aside, the staged one into place, then delete the old one."""
+    if not out.exists():
+        os.rename(stage, out)
+        return
+    aside = Path(tempfile.mkdtemp(dir=out.absolute().parent, prefix=f".{out.name}.old-{os.getpid()}-"))
+    old = aside / "old"
+    os.rename(out, old)
+    try:
+        os.rename(stage, out)
+    except BaseException:
+        os.rename(old, out)  # put the old folder back exactly as it was
+        shutil.rmtree(aside, ignore_errors=True)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)

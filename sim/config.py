@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sim.errors import ScenarioError
+from sim.limits import check_scenario_limits
 
 NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Pos = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -242,6 +243,8 @@ class FreezeConfig(_Section):
     def _convex_curves(self) -> FreezeConfig:
         if self.curve is None:
             return self
+        if not self.curve:
+            raise ValueError("curve: empty; give points from [0, 1] to [1, 0], e.g. [[0, 1], [1, 0]], or omit it")
         per_chunk = isinstance(self.curve[0][0], list)
         curves = self.curve if per_chunk else [self.curve]
         for k, pts in enumerate(curves):
@@ -331,6 +334,7 @@ class Scenario(_Section):
     def _one_form(self) -> Scenario:
         if (self.costs is None) == (self.model is None):
             raise ValueError("scenario: give exactly one of [costs] (explicit) or [model] (model-derived)")
+        check_scenario_limits(self)  # sizes first: the per-chunk checks below are O(chunks)
         chunks = self.pipeline.stages * self.pipeline.virtual_stages
         if self.costs is not None:
             keys = ("forward_s", "backward_input_s", "backward_weight_s", "activation_bytes", "static_bytes")
@@ -418,6 +422,10 @@ def load_scenario(path: str | Path | None = None, overrides: dict[str, Any] | No
         raise ScenarioError(f"scenario {path}: not valid TOML ({exc})") from None
     except UnicodeDecodeError:
         raise ScenarioError(f"scenario {path}: not valid TOML (not UTF-8 text)") from None
+    except RecursionError:
+        raise ScenarioError(f"scenario {path}: not valid TOML (tables or arrays nested too deeply)") from None
+    except ValueError as exc:  # e.g. an integer of more than 4,300 digits
+        raise ScenarioError(f"scenario {path}: not valid TOML ({str(exc)[:80]})") from None
     for key, value in (overrides or {}).items():
         set_dotted(raw, key, value)
     if "pipeline.schedule" in (overrides or {}) and "pipeline.virtual_stages" not in (overrides or {}):

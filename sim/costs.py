@@ -72,7 +72,13 @@ def _per_chunk(value: float | list[float], chunks: int) -> np.ndarray:
 
 
 def build_cost_table(sc: Scenario) -> CostTable:
-    """Resolve either scenario form into a CostTable."""
+    """Resolve either scenario form into a CostTable whose every cost is finite and within sim/limits.py."""
+    from sim.limits import check_cost_table
+
+    return check_cost_table(_build_cost_table(sc))
+
+
+def _build_cost_table(sc: Scenario) -> CostTable:
     p, v, m = sc.pipeline.stages, sc.pipeline.virtual_stages, sc.pipeline.microbatches
     chunks = p * v
     if sc.costs is not None:

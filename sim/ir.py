@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import re
+import stat
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -42,12 +43,14 @@ class Action:
     @classmethod
     def parse(cls, text: str) -> Action:
         """Parse torch's compact form `<stage><F|B|I|W><microbatch>`; anything else is a ScheduleError."""
+        from sim.limits import check_schedule_id
+
         m = _ACTION_RE.match(text.strip())
         if not m:
-            raise ScheduleError(
-                f"schedule action {text.strip()!r}: expected <stage><F|B|I|W><microbatch>, e.g. 0F3"
-            )
-        return cls(int(m.group(1)), Kind(m.group(2)), int(m.group(3)))
+            shown = text.strip() if len(text.strip()) <= 24 else text.strip()[:21] + "..."
+            raise ScheduleError(f"schedule action {shown!r}: expected <stage><F|B|I|W><microbatch>, e.g. 0F3")
+        stage, microbatch = check_schedule_id(m.group(1), "stage"), check_schedule_id(m.group(3), "microbatch")
+        return cls(stage, Kind(m.group(2)), microbatch)
 
 
 @dataclass(frozen=True)
@@ -137,12 +140,22 @@ class Schedule:
     @classmethod
     def from_csv_text(cls, text: str, name: str = "csv", num_microbatches: int | None = None) -> Schedule:
         """Read torch's one-row-per-rank CSV; the stage->rank mapping is read from where stages appear."""
-        rows = [[c for c in row if c.strip()] for row in csv.reader(io.StringIO(text))]
+        from sim.limits import MAX_ACTIONS, check_schedule_size
+
+        try:
+            rows = [[c for c in row if c.strip()] for row in csv.reader(io.StringIO(text))]
+        except csv.Error as exc:
+            raise ScheduleError(f"schedule csv: not a CSV of actions ({exc})") from None
         while rows and not rows[-1]:
             rows.pop()
         if not rows:
             raise ScheduleError("schedule csv: no rows; expected one row of actions per rank")
+        if sum(map(len, rows)) > MAX_ACTIONS:
+            raise ScheduleError(f"schedule csv: {sum(map(len, rows)):,} actions; the limit is {MAX_ACTIONS:,}")
         ranks = tuple(tuple(Action.parse(c) for c in row) for row in rows)
+        top_stage = max((a.stage for r in ranks for a in r), default=0)
+        top_mb = max((a.microbatch for r in ranks for a in r), default=0)
+        check_schedule_size(top_stage + 1, top_mb + 1)  # before any list of that many stages
         stage_rank: dict[int, int] = {}
         for r, actions in enumerate(ranks):
             for a in actions:
@@ -170,11 +183,25 @@ class Schedule:
 
     @classmethod
     def read_csv(cls, path: str | Path, num_microbatches: int | None = None) -> Schedule:
+        from sim.limits import MAX_SCHEDULE_CSV_BYTES
+
         p = Path(path)
+        shown = str(path) if len(str(path)) <= 80 else "..." + str(path)[-77:]  # the file name, not its folders
+        if not str(path).strip():
+            raise ScheduleError("--schedule-csv: empty path; give a CSV file")
         try:
-            text = p.read_text()
+            if not stat.S_ISREG(p.stat().st_mode):  # before open: opening a fifo would wait for a writer
+                raise ScheduleError(f"--schedule-csv {shown}: not a regular file; give a CSV file")
+            with p.open("rb") as f:
+                data = f.read(MAX_SCHEDULE_CSV_BYTES + 1)
         except OSError as exc:
-            raise ScheduleError(f"--schedule-csv {path}: cannot read ({exc.strerror})") from None
+            raise ScheduleError(f"--schedule-csv {shown}: cannot read ({exc.strerror})") from None
+        if len(data) > MAX_SCHEDULE_CSV_BYTES:
+            raise ScheduleError(f"--schedule-csv {shown}: larger than the limit of {MAX_SCHEDULE_CSV_BYTES:,} bytes")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ScheduleError(f"--schedule-csv {shown}: not UTF-8 text; give torch's action CSV") from None
         return cls.from_csv_text(text, name=p.stem, num_microbatches=num_microbatches)
 
     def to_torch(self) -> dict[int, list]:

@@ -180,6 +180,10 @@ def plan_scenario(
     """The scenario's schedule (or a torch-format CSV's order) planned at its [freeze] settings, under its
     memory policy (the fixed [memory] settings, or the MILP planner's choice with memory.plan = true)."""
     schedule, costs = resolve_schedule(sc, schedule_csv), build_cost_table(sc)
+    if not any(getattr(costs, k).any() for k in ("forward_s", "backward_input_s", "backward_weight_s")):
+        raise FreezeInputError(
+            "costs: every forward and backward duration is 0; a step that takes no time has nothing to plan"
+        )
     memory = resolve_memory_plan(sc, costs, schedule).plan
     return plan_freeze(schedule, costs, sc.freeze, baselines=baselines, memory=memory)
 

@@ -13,7 +13,8 @@ import pytest
 from analysis.cli import COMMANDS, main
 from scenarios import scenario_names, scenario_path
 
-SIM_FILES = {"summary.json", "timeline.csv", "memory.csv", "schedule.csv", "trace.json", "gantt.png", "memory.png"}
+SIM_FILES = {"summary.json", "timeline.csv", "memory.csv", "schedule.csv", "trace.json", "gantt.png", "memory.png",
+             "pipeplan.json"}
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))

@@ -68,7 +68,7 @@ def test_bench_writes_csv_plots_and_refuses_pairwise(tmp_path, capsys):
     argv = ["lcp", "bench", "--n", "300,2000", "--length", "16", "--batch", "64", "--scan-batch", "4",
             "--repeats", "2", "--scan-repeats", "1", "--pairwise-budget-gib", "0.0001", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
-    assert {p.name for p in out.iterdir()} == {"bench.csv", "latency.png", "memory.png", "meta.json"}
+    assert {p.name for p in out.iterdir()} == {"bench.csv", "latency.png", "memory.png", "meta.json", "pipeplan.json"}
     assert (out / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     df = pd.read_csv(out / "bench.csv")
     assert list(df.columns) == COLUMNS

@@ -36,7 +36,7 @@ micro_batch_size = 2
 dtype = "fp32"
 """
 RUN_FILES = {"metrics.csv", "timeline.csv", "timelines.csv", "memory.csv", "schedule.csv", "summary.json",
-             "trace.json", "gantt.png", "memory.png", "loss.png"}
+             "trace.json", "gantt.png", "memory.png", "loss.png", "pipeplan.json"}
 
 
 @pytest.fixture(scope="module")

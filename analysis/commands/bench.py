@@ -18,19 +18,22 @@ BENCHES: dict[str, tuple[str, str]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from analysis.outputs import add_force_argument
+
     sub = parser.add_subparsers(dest="bench", required=True, parser_class=type(parser), metavar="BENCH")
     for name, (module_name, help_text) in BENCHES.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--out", default=f"out/bench-{name}", help=f"output folder (default: out/bench-{name})")
+        add_force_argument(p)
         module = importlib.import_module(module_name)
         module.add_arguments(p)
         p.set_defaults(_bench=module.run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.io import staged_output
+    from analysis.outputs import output_folder
 
-    with staged_output(args.out) as stage:
+    with output_folder(args) as stage:
         line = args._bench(args, stage)
     print(line)
     print(f"wrote {args.out}/")

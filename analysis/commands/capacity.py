@@ -14,6 +14,7 @@ from analysis.commands.simulate import add_scenario_argument, add_set_argument, 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from analysis.capacity import POLICIES
+    from analysis.outputs import add_force_argument
 
     add_scenario_argument(parser)
     add_set_argument(parser)
@@ -30,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--points", type=int, default=24,
                         help="with --frontier: depths per policy at most, log-spaced (default: 24)")
     parser.add_argument("--out", default="out/capacity", help="output folder (default: out/capacity)")
+    add_force_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
 
     from analysis.capacity import FRONTIER_COLUMNS, PolicyDepths, capacity_table, deepest_at, frontier_table
     from analysis.capacity_plots import capacity_plot, frontier_plot, print_capacity, print_frontier
-    from analysis.outputs import scenario_title
-    from common.io import atomic_write_text, staged_output
+    from analysis.outputs import output_folder, scenario_title
+    from common.io import atomic_write_text
     from sim.config import load_scenario
     from sim.errors import ScenarioError
 
@@ -47,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
         raise ScenarioError(f"--min-throughput: {args.min_throughput} must be in (0, 10] (1.0 = plain 1F1B's)")
     if not 2 <= args.points <= 256:
         raise ScenarioError(f"--points: {args.points} must be from 2 to 256")
+    if not 0 < args.target_ratio <= 1000:  # NaN fails too
+        raise ScenarioError(f"--target-ratio: {args.target_ratio}; give a multiple of 1F1B's depth in (0, 1000]")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if args.frontier and "1f1b" not in policies:
         policies.insert(0, "1f1b")  # the reference every frontier row is measured against
@@ -62,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         frontier = frontier_table(rows, depths, args.points, progress=step) if args.frontier else None
     df = pd.DataFrame(rows)
     written = ["capacity.csv", "capacity.png"]
-    with staged_output(args.out) as stage:
+    with output_folder(args) as stage:
         atomic_write_text(stage / "capacity.csv", df.to_csv(index=False))
         capacity_plot(df, stage / "capacity.png",
                       scenario_title(load_scenario(args.scenario, scenario_overrides(args)), args.scenario))

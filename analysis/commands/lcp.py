@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_count, help="torch CPU threads, >= 1 (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="data seed (default: 0)")
     p.add_argument("--out", default="out/lcp-bench", help="output folder (default: out/lcp-bench)")
+    from analysis.outputs import add_force_argument
+
+    add_force_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,7 +143,7 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from analysis.lcp_plots import plot_latency, plot_memory
-    from common.io import staged_output
+    from analysis.outputs import output_folder
     from lcp.bench import PRESETS, BenchConfig, run_bench
     from lcp.errors import LCPError
 
@@ -165,7 +168,7 @@ def _bench(args: argparse.Namespace) -> int:
         task = bar.add_task("lcp bench", total=len(cfg.ns) * len(cfg.methods))
         df = run_bench(cfg, lambda done, total, what: bar.update(task, completed=done, description=what))
     budget_bytes = df.attrs["pairwise_budget_bytes"]
-    with staged_output(args.out) as stage:
+    with output_folder(args) as stage:
         df.to_csv(stage / "bench.csv", index=False)
         plot_latency(df, stage / "latency.png")
         plot_memory(df, stage / "memory.png", budget_bytes=budget_bytes, batch=cfg.batch, length=cfg.length)

@@ -27,9 +27,9 @@ from analysis.commands.simulate import (
 )
 from analysis.console import busy, console, fit_line, gib
 from analysis.freeze_plots import freeze_heatmap, sweep_plot
-from analysis.outputs import scenario_title, write_simulation
+from analysis.outputs import add_force_argument, output_folder, scenario_title, write_simulation
 from analysis.plots import gantt
-from common.io import atomic_write_json, atomic_write_text, staged_output
+from common.io import atomic_write_json, atomic_write_text
 from sim.config import load_scenario
 from sim.schedules import SCHEDULES, schedule_names, sweep_schedules
 from sim.trace import fit_fields, hbm_fit, timeline_frame
@@ -58,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--virtual-stages", type=int, help=VIRTUAL_STAGES_HELP)
     add_set_argument(parser)
     parser.add_argument("--out", default=None, help="output folder (default: out/plan, or out/plan-sweep)")
+    add_force_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     with busy(f"planning {scenario.pipeline.schedule}: LP, simulation, baselines"):
         plan = plan_scenario(scenario, args.schedule_csv)
     out = args.out or "out/plan"
-    with staged_output(out) as stage:
+    with output_folder(args, out) as stage:
         summary = write_plan(plan, stage, scenario_name=str(args.scenario or "llama3-8b-pp4-h100 (default)"),
                              about=scenario_title(scenario, args.scenario))
     print_plan(summary)
@@ -286,7 +287,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
         )
     sweep = pd.DataFrame(rows)
     out = args.out or "out/plan-sweep"
-    with staged_output(out) as stage:
+    with output_folder(args, out) as stage:
         atomic_write_text(stage / "sweep.csv", sweep.to_csv(index=False))
         sweep_plot(
             sweep, stage / "sweep.png", f"LP-planned speedup vs cap - {args.scenario or 'llama3-8b-pp4-h100'}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from analysis.commands.run import JobFailed, add_launch_arguments, launch_job, overrides
+from analysis.outputs import add_force_argument
 from runtime.config import RunConfig
 
 
@@ -19,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_launch_arguments(parser)
     parser.add_argument("--steps", type=int, default=6, help="steps to measure; the first is dropped (default 6)")
     parser.add_argument("--out", default="out/profile", help="output folder (default: out/profile)")
+    add_force_argument(parser)
     parser.add_argument("--validate", action="store_true",
                         help="alternate plain and profiled steps; report how well the profile predicts the plain ones")
 

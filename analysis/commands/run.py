@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from analysis.commands.simulate import add_schedule_arguments, scenario_overrides
 from analysis.console import busy
-from common.io import staged_output
+from analysis.outputs import add_force_argument, output_folder
 from runtime.config import FREEZE_MODES, RunConfig
 from runtime.data import NAMED_SOURCES
 from runtime.launch import Rendezvous, launch
@@ -54,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_launch_arguments(parser)
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
     parser.add_argument("--out", default="out/run", help="output folder (default: out/run)")
+    add_force_argument(parser)
     parser.add_argument("--data", help="'synthetic', 'pydoc' (CPython's reference prose, train split), a text file "
                                        "(byte tokens); default: the Python stdlib sources")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
@@ -108,6 +110,7 @@ def launch_job(cfg: RunConfig, args: argparse.Namespace, out: str, poll: Callabl
     from runtime.report import predict
     from runtime.train import load_run_scenario
 
+    check_run_flags(cfg)
     scenario, schedule = load_run_scenario(cfg)
     if scenario.memory.plan and cfg.memory_choice is None:  # solve the memory MILP once, here; ranks reuse it
         from sim.costs import build_cost_table
@@ -117,14 +120,12 @@ def launch_job(cfg: RunConfig, args: argparse.Namespace, out: str, poll: Callabl
         cfg.memory_choice = resolve_memory_plan(scenario, costs, schedule).choice.to_dict()
     run_memory(scenario, schedule, cfg.choice())  # a memory plan the runtime can execute
     predict(cfg, scenario, schedule)  # --costs must describe this pipeline
-    if cfg.data not in (None, *NAMED_SOURCES) and not Path(cfg.data).is_file():
-        raise PipeplanError(f"--data {cfg.data}: file not found; give a text file, 'pydoc' or 'synthetic'")
-    if cfg.resume:
-        from runtime.checkpoint import check_resumable
-
-        check_resumable(cfg.checkpoint_dir)  # on this node; every rank checks its own file at the start
+    if cfg.data not in (None, *NAMED_SOURCES):
+        check_data_file(cfg.data)
     rdzv = rendezvous(args, schedule.num_ranks)
-    with staged_output(out) as stage:
+    if cfg.resume:  # every rank's file, read here: a broken checkpoint is one line, not p tracebacks
+        check_checkpoint(str(cfg.checkpoint_dir), range(schedule.num_ranks) if rdzv.nnodes == 1 else ())
+    with output_folder(args, out) as stage:
         cfg.out_dir = str(stage)
         if poll is not None:  # the caller draws its own progress (one live display at a time)
             code = launch(cfg, rdzv, poll=poll)
@@ -169,6 +170,71 @@ def render_run(out: Path) -> None:
     ax.set_ylabel("loss")
     ax.set_title(title, fontsize=9)
     save(fig, out / "loss.png")
+
+
+MAX_THREADS = 1024
+"""torch threads per rank: above any machine's core count."""
+
+
+def check_run_flags(cfg: RunConfig) -> None:
+    """Flags RunConfig's own checks let through: NaN and infinities, seeds numpy refuses, absurd threads."""
+    import math
+
+    for flag, value in (("--timeout-s", cfg.timeout_s), ("--lr", cfg.lr)):
+        if not math.isfinite(value) or value < 0:
+            raise PipeplanError(f"{flag}: {value} is not a finite number >= 0")
+    if not 0 <= cfg.seed < 2**32:
+        raise PipeplanError(f"--seed: {cfg.seed} is outside 0..2**32-1")
+    if cfg.threads > MAX_THREADS:
+        raise PipeplanError(f"--threads: {cfg.threads} is above the limit {MAX_THREADS}")
+
+
+def check_data_file(path: str) -> None:
+    """--data: a readable regular file (a device or fifo would be read forever, or block)."""
+    import stat
+
+    try:
+        mode = Path(path).stat().st_mode
+    except OSError:
+        raise PipeplanError(f"--data {path[:80]}: file not found; give a text file, 'pydoc' or 'synthetic'") from None
+    if not stat.S_ISREG(mode):
+        raise PipeplanError(f"--data {path[:80]}: not a regular file; give a text file, 'pydoc' or 'synthetic'")
+    if not os.access(path, os.R_OK):
+        raise PipeplanError(f"--data {path[:80]}: not readable")
+
+
+def check_checkpoint(root: str, ranks: range | tuple[()]) -> None:
+    """--resume: the latest complete checkpoint exists and each rank's file loads (with the runtime's loader);
+    PipeplanError naming the file if not, before any rank is launched."""
+    import torch
+
+    from runtime import checkpoint
+
+    marker = Path(root) / "latest"
+    try:
+        step = int(marker.read_text(errors="replace").strip())
+    except FileNotFoundError:
+        raise PipeplanError(f"--resume: no complete checkpoint in {root[:80]} (no 'latest' file)") from None
+    except (OSError, ValueError):
+        raise PipeplanError(f"--resume: {_tail(marker)} does not hold a step number; the checkpoint is broken") \
+            from None
+    for rank in ranks:
+        path = checkpoint.step_dir(root, step) / f"rank-{rank}.pt"
+        if not path.is_file():
+            raise PipeplanError(f"--resume: {_tail(path)} is missing; was it written with this many ranks?")
+        try:
+            checkpoint.load(root, rank, torch.device("cpu"))
+        except PipeplanError:
+            raise
+        except Exception as exc:  # truncated zip, bad pickle, refused global: all one line
+            raise PipeplanError(f"--resume: {_tail(path)} cannot be loaded ({type(exc).__name__}); "
+                                "the checkpoint is broken or was not written by pipeplan run") from None
+
+
+def _tail(path: Path, limit: int = 60) -> str:
+    """A path short enough for a one-line error, keeping its end (the file name), not its start."""
+    text = str(path)
+    return text if len(text) <= limit else "..." + text[3 - limit :]
 
 
 def run(args: argparse.Namespace) -> int:

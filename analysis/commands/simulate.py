@@ -11,8 +11,7 @@ from __future__ import annotations
 import argparse
 
 from analysis.console import print_simulation
-from analysis.outputs import scenario_title, write_simulation
-from common.io import staged_output
+from analysis.outputs import add_force_argument, output_folder, scenario_title, write_simulation
 from sim.config import load_scenario
 from sim.schedules import schedule_names
 from solver.step import simulate_with_memory_policy
@@ -48,6 +47,7 @@ def add_set_argument(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_schedule_arguments(parser)
     parser.add_argument("--out", default="out/simulate", help="output folder (default: out/simulate)")
+    add_force_argument(parser)
 
 
 def scenario_overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -61,7 +61,9 @@ def scenario_overrides(args: argparse.Namespace) -> dict[str, object]:
         if not sep or not key.strip() or not value.strip():
             raise PipeplanError(f"--set {item!r}: expected KEY=VALUE, e.g. memory.offload_activations=0.5")
         out[key.strip()] = parse_scalar(value.strip())
-    if getattr(args, "schedule", None):
+    if getattr(args, "schedule", None) is not None:
+        if not args.schedule.strip():
+            raise PipeplanError("--schedule: empty; give a schedule name, e.g. 1f1b")
         out["pipeline.schedule"] = args.schedule
     if getattr(args, "virtual_stages", None) is not None:
         out["pipeline.virtual_stages"] = args.virtual_stages
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     result, extra = simulate_with_memory_policy(scenario, args.schedule_csv)
     title = f"{scenario_title(scenario, args.scenario)} - {result.schedule.name}: p={result.schedule.num_ranks} " \
             f"m={result.schedule.num_microbatches} v={result.schedule.virtual_stages}"
-    with staged_output(args.out) as stage:
+    with output_folder(args) as stage:
         summary = write_simulation(result, stage, title, extra)
     print_simulation(summary, title)
     print(f"wrote {args.out}/: summary.json timeline.csv memory.csv schedule.csv trace.json gantt.png memory.png")

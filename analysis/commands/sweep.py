@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heatmap", metavar="X,Y", help="two grid keys for the heatmap (default: the first two)")
     parser.add_argument("--top", type=int, default=10, help="rows of the ranked table (default: 10)")
     parser.add_argument("--out", default="out/sweep", help="output folder; rerunning resumes (default: out/sweep)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace --out even if it holds another command's outputs (as a whole)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,13 +40,17 @@ def run(args: argparse.Namespace) -> int:
     from analysis.commands.simulate import scenario_overrides
     from analysis.console import console
     from analysis.outputs import scenario_title
-    from analysis.sweep import parse_grid, run_sweep
+    from analysis.sweep import parse_grid, run_sweep, validate_grid
     from analysis.sweep_plots import heatmap_plot, pareto_plot, print_invalid, print_ranked
+    from sim.limits import MAX_JOBS
 
     grid = parse_grid(args.grid)
+    validate_grid(grid)
     base = scenario_overrides(args)
-    if args.jobs < 1:
-        raise PipeplanError(f"--jobs: {args.jobs}; must be >= 1")
+    if not 1 <= args.jobs <= MAX_JOBS:
+        raise PipeplanError(f"--jobs: {args.jobs}; must be 1..{MAX_JOBS}")
+    if args.top < 1:
+        raise PipeplanError(f"--top: {args.top}; must be >= 1")
     clash = sorted(set(base) & set(grid))
     if clash:
         raise PipeplanError(f"--set {clash[0]}: also a --grid key; give it in one of them")
@@ -58,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     load_scenario(args.scenario, base)  # bad input is one line, before any progress bar
     out = Path(args.out)
+    claim_sweep_folder(args)
     with Progress(console=console) as bar:
         task = bar.add_task("sweep" + (f" on {args.scheduler}" if args.scheduler else ""), total=None)
         rows = run_sweep(args.scenario, grid, out, args.jobs, args.plan or "freeze.cap" in grid,
@@ -73,3 +80,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out}/: sweep.csv pareto.png" + (" heatmap.png" if len(axes) >= 2 else ""))
     return 0
 
+
+def claim_sweep_folder(args: argparse.Namespace) -> None:
+    """A sweep resumes in its own folder; any other folder (absent, empty, or another command's with --force)
+    is replaced as a whole by an empty one holding the sweep's manifest."""
+    from analysis.outputs import output_folder
+    from common.io import output_manifest
+
+    if (output_manifest(args.out) or {}).get("command") != "sweep":
+        with output_folder(args):
+            pass

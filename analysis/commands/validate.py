@@ -14,6 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="published figures (default: scenarios/validation/published.csv); its scenario "
                              "column names TOML files next to it")
     parser.add_argument("--out", default="out/validate", help="output folder (default: out/validate)")
+    from analysis.outputs import add_force_argument
+
+    add_force_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
     import pandas as pd
     from rich.progress import Progress
 
+    from analysis.outputs import output_folder
     from analysis.validation import (
         OUTPUT_COLUMNS,
         PUBLISHED_CSV,
@@ -31,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         validation_table,
     )
     from analysis.validation_plots import parity_plot, print_summary
-    from common.io import atomic_write_text, staged_output
+    from common.io import atomic_write_text
 
     path = Path(args.published) if args.published else PUBLISHED_CSV
     figures = load_published(path)  # bad input is one line, before any progress bar
@@ -43,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
         predictions = predict_all(figures, folder=path.parent, progress=step)
     table = pd.DataFrame(validation_table(predictions), columns=list(OUTPUT_COLUMNS))
-    with staged_output(args.out) as stage:
+    with output_folder(args) as stage:
         atomic_write_text(stage / "validation.csv", table.to_csv(index=False))
         parity_plot(predictions, stage / "parity.png")
     print_summary(summarize(predictions), predictions)
