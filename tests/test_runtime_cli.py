@@ -146,6 +146,8 @@ def test_freeze_study_trains_once_per_cap_and_reports_loss_and_speed(scenario, t
     a, b = (pd.read_csv(out / f"cap-{c}" / "metrics.csv") for c in ("0", "0.9"))
     assert a["loss"].iloc[0] == b["loss"].iloc[0] and list(a["phase"]) == list(b["phase"])
     assert (out / "loss_curves.png").stat().st_size > 0
+    assert not (out / "checkpoints").exists() and not list(out.glob(".progress-*"))  # no scratch left behind
+    assert json.loads((out / "pipeplan.json").read_text())["command"] == "freeze-study"  # may be re-run into
 
 
 @pytest.mark.parametrize("argv,expected", [

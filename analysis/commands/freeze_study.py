@@ -30,11 +30,20 @@ import argparse
 import math
 import shutil
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from analysis.commands.run import JobFailed, add_launch_arguments, launch_job, overrides
+from analysis.outputs import add_force_argument
 from common.io import atomic_write_text
 from sim.errors import PipeplanError
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from runtime.config import RunConfig
+    from sim.ir import Schedule
 
 DEFAULT_SCENARIO = "freeze-study-cpu"
 DEFAULT_CAPS = "0,0.3,0.6,0.9"
@@ -58,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--freeze-ramp", type=int, default=4, help="steps to ramp the cap up (default 4)")
     parser.add_argument("--freeze-redraw", type=int, default=5, help="re-draw frozen sets every K steps (default 5)")
     parser.add_argument("--out", default="out/freeze-study", help="output folder (default: out/freeze-study)")
+    add_force_argument(parser)
 
 
 def parse_caps(text: str) -> list[float]:
@@ -71,8 +81,6 @@ def parse_caps(text: str) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from analysis.console import console
     from runtime.config import RunConfig
     from runtime.train import load_run_scenario
@@ -97,47 +105,64 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     console.print(f"{len(caps)} runs of {steps} steps x {tokens_per_step} tokens ({steps * tokens_per_step:,} "
                   f"tokens) on pydoc text; {sched.name} p={sched.num_ranks} m={sched.num_microbatches}")
-    rows = []
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-               TimeElapsedColumn())
-    with Progress(*columns, console=console) as bar:
-        for cap in caps:
-            task = bar.add_task(f"cap {cap:g}", total=steps)
-            run_dir, ckpt = out / f"cap-{cap:g}", out / "checkpoints" / f"cap-{cap:g}"
-            progress = out / f".progress-cap-{cap:g}"
-            out.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(ckpt, ignore_errors=True)
-            cfg = RunConfig(**{**base.__dict__, "steps": steps, "freeze_cap": cap, "checkpoint_dir": str(ckpt),
-                               "progress_file": str(progress)})
+    from analysis.outputs import output_folder
 
-            def poll(task=task, progress=progress) -> None:
-                if progress.exists():
-                    bar.update(task, completed=int(progress.read_text().strip() or 0))
-
-            start = time.perf_counter()
-            try:
-                summary = launch_job(cfg, args, str(run_dir), poll=poll)
-            except JobFailed as exc:
-                console.print(f"pipeplan freeze-study: cap {cap:g}: {exc}")
-                return exc.code
-            wall = time.perf_counter() - start
-            bar.update(task, completed=steps)
-            progress.unlink(missing_ok=True)
-            rows.append(study_row(cap, steps * tokens_per_step, run_dir, summary or {}, wall,
-                                  heldout_loss(cfg, ckpt, sched.num_ranks)))
-            shutil.rmtree(ckpt, ignore_errors=True)  # weights evaluated; the run's measurements stay
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    import pandas as pd
-
-    table = pd.DataFrame(rows, columns=COLUMNS)
-    atomic_write_text(out / "freeze_study.csv", table.to_csv(index=False))
-    from analysis.freeze_study_plots import loss_curves
-
-    loss_curves({cap: pd.read_csv(out / f"cap-{cap:g}" / "metrics.csv") for cap in caps}, tokens_per_step,
-                out / "loss_curves.png", f"{sched.name} p={sched.num_ranks}: TimelyFreeze caps, pydoc text")
-    print_study(table)
+    try:
+        study = run_study(args, caps, base, steps, tokens_per_step, sched, output_folder(args))
+    except JobFailed as exc:
+        return exc.code
+    print_study(study)
     print(f"wrote {out}/: freeze_study.csv loss_curves.png cap-*/")
     return 0
+
+
+def run_study(args: argparse.Namespace, caps: list[float], base: RunConfig, steps: int, tokens_per_step: int,
+              sched: Schedule, folder: AbstractContextManager[Path]) -> pd.DataFrame:
+    """One run per cap into a staged folder that replaces --out as a whole when every run succeeded."""
+    import pandas as pd
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from analysis.console import console
+    from runtime.config import RunConfig
+
+    out = args.out
+    with folder as stage:  # the whole study lands at once, with its manifest
+        rows = []
+        columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+                   TimeElapsedColumn())
+        with Progress(*columns, console=console) as bar:
+            for cap in caps:
+                task = bar.add_task(f"cap {cap:g}", total=steps)
+                run_dir, ckpt = stage / f"cap-{cap:g}", stage / "checkpoints" / f"cap-{cap:g}"
+                progress = stage / f".progress-cap-{cap:g}"
+                shutil.rmtree(ckpt, ignore_errors=True)
+                cfg = RunConfig(**{**base.__dict__, "steps": steps, "freeze_cap": cap, "checkpoint_dir": str(ckpt),
+                                   "progress_file": str(progress)})
+
+                def poll(task=task, progress=progress) -> None:
+                    if progress.exists():
+                        bar.update(task, completed=int(progress.read_text().strip() or 0))
+
+                start = time.perf_counter()
+                try:
+                    summary = launch_job(cfg, args, str(run_dir), poll=poll)
+                except JobFailed as exc:  # leaves the with: the staged study is discarded, --out untouched
+                    console.print(f"pipeplan freeze-study: cap {cap:g}: {exc}; nothing was written to {out}")
+                    raise
+                wall = time.perf_counter() - start
+                bar.update(task, completed=steps)
+                progress.unlink(missing_ok=True)
+                rows.append(study_row(cap, steps * tokens_per_step, run_dir, summary or {}, wall,
+                                      heldout_loss(cfg, ckpt, sched.num_ranks)))
+                shutil.rmtree(ckpt, ignore_errors=True)  # weights evaluated; the run's measurements stay
+        shutil.rmtree(stage / "checkpoints", ignore_errors=True)
+        table = pd.DataFrame(rows, columns=COLUMNS)
+        atomic_write_text(stage / "freeze_study.csv", table.to_csv(index=False))
+        from analysis.freeze_study_plots import loss_curves
+
+        loss_curves({cap: pd.read_csv(stage / f"cap-{cap:g}" / "metrics.csv") for cap in caps}, tokens_per_step,
+                    stage / "loss_curves.png", f"{sched.name} p={sched.num_ranks}: TimelyFreeze caps, pydoc text")
+    return table
 
 
 def study_row(cap: float, tokens: int, run_dir: Path, summary: dict, wall_s: float, heldout: float) -> dict:
