@@ -65,16 +65,6 @@ def one_line(message: str, limit: int = MAX_ERROR_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("pipeplan")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
-
-
 def examples(module_doc: str | None) -> str | None:
     """The command lines in a command module's docstring (indented `pipeplan ...` lines), for its --help."""
     lines: list[str] = []
@@ -87,7 +77,9 @@ def examples(module_doc: str | None) -> str | None:
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The parser, with the flags of command `only` loaded; the others are listed but not imported."""
     parser = OneLineParser(prog="pipeplan", description=__doc__.split("\n")[0])
-    parser.add_argument("--version", action="version", version=f"pipeplan {version()}")
+    from analysis.version import pipeplan_version
+
+    parser.add_argument("--version", action="version", version=f"pipeplan {pipeplan_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text,

@@ -7,12 +7,12 @@ import argparse
 import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 from analysis.chrome_trace import chrome_trace
 from analysis.plots import gantt, memory_plot
+from analysis.version import pipeplan_version
 from common.io import atomic_write_json, atomic_write_text, staged_output
 from sim.config import Scenario
 from sim.engine import SimResult
@@ -71,23 +71,6 @@ def manifest(args: argparse.Namespace) -> dict[str, Any]:
 def output_folder(args: argparse.Namespace, out: str | Path | None = None) -> AbstractContextManager[Path]:
     """`staged_output` for this command's --out (or `out`), with its manifest and --force."""
     return staged_output(args.out if out is None else out, manifest(args), bool(getattr(args, "force", False)))
-
-
-@cache
-def pipeplan_version() -> str:
-    """The installed distribution's version, else pyproject.toml's (a source checkout), else 'unknown'."""
-    import importlib.metadata
-    import tomllib
-
-    try:
-        return importlib.metadata.version("pipeplan")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    try:
-        with (Path(__file__).resolve().parents[1] / "pyproject.toml").open("rb") as f:
-            return str(tomllib.load(f)["project"]["version"])
-    except (OSError, KeyError, tomllib.TOMLDecodeError):
-        return "unknown"
 
 
 def check_finite(summary: dict[str, Any]) -> None:
