@@ -13,9 +13,10 @@ overrides that pick the case (`key=value;key=value`, TOML values, as `--set`). A
 
 Each setting is simulated once (rows that share a scenario and overrides share the step). A row whose
 scenario does not load on this build (a key it does not know yet) is reported with the loader's message
-instead of a prediction. Only rows marked `scored` enter validation.csv and the error statistics; the others
-(figures that repeat a scored one, or settings pipeplan does not model, such as Float8) are kept because
-ratios refer to them.
+instead of a prediction. Only rows marked `scored = true` enter validation.csv and the error statistics; the
+others (figures that repeat a scored one, or settings pipeplan does not model, such as Float8) are kept because
+ratios refer to them. Rows marked `scored = calibration` are the anchors of a device's one calibration
+(analysis/calibrate.py fits `gemm_efficiency` to them): they are predicted but, being fitted, never scored.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class PublishedFigure:
     scored: bool = True
     citation: str = ""
     notes: str = ""
+    calibration: bool = False  # an anchor of its device's calibration (scored = calibration): not validation
 
     @property
     def setting(self) -> tuple[str, tuple[tuple[str, str], ...]]:
@@ -248,8 +250,8 @@ def load_published(path: str | Path | None = None) -> list[PublishedFigure]:
             raise PipeplanError(f"{where}: published {r['published']!r} is not a number") from None
         if not math.isfinite(published) or published <= 0:
             raise PipeplanError(f"{where}: published must be a positive number, got {r['published']}")
-        if r["scored"] not in ("true", "false"):
-            raise PipeplanError(f"{where}: scored must be true or false, got {r['scored']!r}")
+        if r["scored"] not in ("true", "false", "calibration"):
+            raise PipeplanError(f"{where}: scored must be true, false or calibration, got {r['scored']!r}")
         ratio_of = None
         if r["metric"] == "ratio":
             num, sep, den = r["ratio_of"].partition("|")
@@ -267,7 +269,8 @@ def load_published(path: str | Path | None = None) -> list[PublishedFigure]:
         figures.append(PublishedFigure(
             source=r["source"], table=r["table"], case=r["case"], metric=r["metric"], quantity=r["quantity"],
             published=published, unit=r["unit"], scenario=r["scenario"], overrides=overrides, ratio_of=ratio_of,
-            scored=r["scored"] == "true", citation=r["citation"], notes=r["notes"]))
+            scored=r["scored"] == "true", citation=r["citation"], notes=r["notes"],
+            calibration=r["scored"] == "calibration"))
     _check_references(figures, path)
     return figures
 

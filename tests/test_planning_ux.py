@@ -223,3 +223,19 @@ def test_torch_commands_name_the_extra_when_torch_is_missing(argv, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "install pipeplan[runtime]" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("scenario,tiny", [("explicit-unit", "costs.hbm_gib=1e-9"),
+                                           ("llama3-8b-pp4-h100", "device.hbm_gib=1")])
+def test_report_on_a_sweep_where_nothing_fits(tmp_path, scenario, tiny):
+    """No configuration fits HBM: the report says so and still lists what was simulated (no empty argmax)."""
+    out = tmp_path / "sw"
+    assert main(["sweep", scenario, "--grid", "pipeline.stages=2,4", "--set", tiny, "--jobs", "1",
+                 "--out", str(out)]) == 0
+    df = pd.read_csv(out / "sweep.csv")
+    assert (df["status"] == "ok").all() and not df["fits"].any()
+    assert main(["report", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert f"**Nothing fits: every simulated configuration runs out of HBM ({len(df)} configurations).**" in md
+    assert "## Configurations that fit (0)" in md
+    assert f"do not fit HBM ({len(df)})" in md and "nan" not in md.lower()

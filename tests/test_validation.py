@@ -1,5 +1,6 @@
 """The validation set (issue #12): transcription checks against the papers' own arithmetic, `pipeplan validate`
-end to end, and the issue's accuracy targets (marked xfail until the fidelity model lands)."""
+end to end, and the issue's accuracy targets (those still missed are xfail with the measured number; the
+numbers are in docs/validation.md)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from analysis.validation import (
 )
 
 A100_PEAK_FLOPS = 312e12  # "The peak device throughput of an A100 GPU with 16-bit precision is 312 teraFLOP/s"
-FIDELITY = pytest.mark.xfail(strict=False, reason="fidelity model not merged yet")
+TORCHTITAN_GAP = ("torchtitan's H100 rows: memory mean 4.9% but max 29.2% (405B 1F1B -29%), throughput max 56.2% "
+                  "(8B FSDP +56%: eager mode, op-level checkpointing, 500 W part not modelled); "
+                  "docs/validation.md")
 
 
 @pytest.fixture(scope="module")
@@ -193,14 +196,16 @@ def _overall(predictions, metric):
     return next(s for s in summarize(predictions) if s.metric == metric and s.source == "all")
 
 
-@FIDELITY
 def test_every_scored_row_is_predicted(predictions):
     missing = sorted({p.reason for p in predictions if p.figure.scored and p.predicted is None})
     assert not missing, missing
 
 
-@FIDELITY
-@pytest.mark.parametrize("metric", ["memory", "time", "throughput"])
+@pytest.mark.parametrize("metric", [
+    pytest.param("memory", marks=pytest.mark.xfail(strict=False, reason=TORCHTITAN_GAP)),
+    "time",
+    pytest.param("throughput", marks=pytest.mark.xfail(strict=False, reason=TORCHTITAN_GAP)),
+])
 def test_absolute_errors_meet_the_targets(predictions, metric):
     s = _overall(predictions, metric)
     mean_bound, max_bound = TARGETS[metric]
@@ -209,16 +214,33 @@ def test_absolute_errors_meet_the_targets(predictions, metric):
     assert s.max_abs_error <= max_bound
 
 
-@FIDELITY
+@pytest.mark.xfail(strict=False, reason=(
+    "ratio mean 4.1% > 3%: Zero Bubble 3.5% (ZB-2p / 1F1B-I over 1F1B), Korthikanti 4.0% (Table 4 overheads), "
+    "torchtitan 405B memory ratio +17% and the Narayanan trend -14%; docs/validation.md"))
 def test_ratios_between_settings_meet_the_target(predictions):
     s = _overall(predictions, "ratio")
     assert s.predicted == s.cases
     assert s.mean_abs_error <= TARGETS["ratio"][0]
 
 
-@FIDELITY
 def test_weak_scaling_trend_has_the_published_direction(predictions):
     """Narayanan et al. Table 1: per-GPU throughput rises from 1.7B to 1T parameters (137 -> 163 TFLOP/s)."""
     trend = next(p for p in predictions if p.figure.case == "weak-scaling trend 1008.0B / 1.7B")
     assert trend.figure.published > 1
     assert trend.predicted is not None and trend.predicted > 1
+
+
+def test_a100_rows_held_out_from_the_calibration_meet_the_targets(predictions):
+    """The A100 validation rows (Narayanan Table 1, Zero Bubble Table 4, Korthikanti Table 5) against the one
+    constant fitted on Korthikanti Table 4 (analysis/calibrate.py): the time and throughput targets hold."""
+    for metric in ("time", "throughput"):
+        for s in summarize(predictions):
+            if s.metric == metric and s.source in ("korthikanti2022", "narayanan2021", "zerobubble2024"):
+                assert s.predicted == s.cases, s
+                assert s.mean_abs_error <= TARGETS[metric][0] and s.max_abs_error <= TARGETS[metric][1], s
+
+
+def test_calibration_rows_are_predicted_but_not_scored(predictions):
+    anchors = [p for p in predictions if p.figure.calibration]
+    assert len(anchors) == 10
+    assert all(p.predicted is not None and not p.figure.scored for p in anchors)

@@ -1,0 +1,32 @@
+"""The one calibration per device (issue #12): sim/devices.toml's fitted constants are what
+`python -m analysis.calibrate` computes from the anchor rows, and anchors are never scored as validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from analysis.calibrate import anchors_by_device, fit_device
+from analysis.validation import load_published
+from sim.config import device_presets
+
+
+@pytest.fixture(scope="module")
+def anchors():
+    return anchors_by_device(load_published())
+
+
+def test_anchors_are_korthikanti_table4_per_layer_times_and_not_scored(anchors):
+    assert set(anchors) == {"A100-80GB"}
+    rows = anchors["A100-80GB"]
+    assert len(rows) == 10
+    assert {(f.source, f.table) for f in rows} == {("korthikanti2022", "Table 4")}
+    assert {f.quantity for f in rows} == {"layer_forward", "layer_backward"}
+    assert not any(f.scored for f in rows)
+
+
+def test_devices_toml_holds_the_fitted_a100_gemm_efficiency(anchors):
+    fit = fit_device("A100-80GB", anchors["A100-80GB"])
+    presets = device_presets()
+    for name in ("A100-80GB", "A100-40GB"):  # the same SMs and clocks: one calibration
+        assert presets[name]["gemm_efficiency"] == pytest.approx(round(fit.gemm_efficiency, 2), abs=1e-9)
+    assert fit.rms_log_error < 0.10  # one constant explains the ten per-layer times to within ~5% rms
