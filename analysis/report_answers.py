@@ -25,6 +25,8 @@ MEMORY_TIGHT = 0.05
 """Headroom below this share of capacity counts as memory limiting the configuration."""
 BUBBLE_HIGH = 0.10
 """Bubble ratio above this counts as bubbles limiting the configuration (idle rank-time over the step)."""
+COMM_HIGH = 0.10
+"""Exposed communication (transfer waits + the step's tail) above this share counts as limiting."""
 SPEED_NAMES = {"tokens_per_s_per_gpu": "tokens/s per GPU", "tokens_per_s": "tokens/s", "steps_per_s": "steps/s",
                "samples_per_s_per_gpu": "sequences/s per GPU"}
 TOP_FITTING = 20
@@ -138,7 +140,7 @@ def _speed(r: pd.Series) -> str:
 
 
 def limits(best: pd.Series, df: pd.DataFrame, keys: list[str]) -> list[str]:
-    """What stops the best fitting configuration from being faster: memory, bubbles, or neither."""
+    """What stops the best fitting configuration from being faster: memory, bubbles, communication, or neither."""
     out = []
     col = speed_column(df)
     ok = df[df["status"] == "ok"]
@@ -159,6 +161,13 @@ def limits(best: pd.Series, df: pd.DataFrame, keys: list[str]) -> list[str]:
     prefix = "**Limited by bubbles.** " if bubble > BUBBLE_HIGH else ""
     out.append(f"{prefix}Bubbles: ranks idle {_pct(bubble)} of the step (pipeline fill and drain, waits on "
                "neighbours and on transfers); more microbatches or a zero-bubble schedule shrink it.")
+    comm = [float(best.get(c, float("nan"))) for c in ("p2p_wait_share", "step_tail_share")]
+    if not any(pd.isna(x) for x in comm):
+        p2p, tail = comm
+        prefix = "**Limited by communication.** " if p2p + tail > COMM_HIGH else ""
+        out.append(f"{prefix}Communication: ranks wait {_pct(p2p)} of the step only for activations or gradients "
+                   f"in transit between stages (inside the bubble above); the data-parallel gradient reduction and "
+                   f"optimizer step after the pipeline take {_pct(tail)} of the step.")
     if not pd.isna(best.get("mfu", float("nan"))):
         out.append(f"Compute: MFU {_pct(best['mfu'])} (busy GPUs at the device's sustained efficiency; the rest is "
                    "bubbles and recomputation).")

@@ -23,11 +23,13 @@ import pandas as pd
 from sim.errors import PipeplanError
 
 METRICS = ["status", "reason", "gpus", "global_batch", "tokens_per_s", "tokens_per_s_per_gpu", "step_time_s",
-           "bubble_ratio", "max_peak_hbm_bytes", "fits", "tightest_rank", "over_capacity_bytes", "mfu",
+           "bubble_ratio", "p2p_wait_share", "step_tail_share",
+           "max_peak_hbm_bytes", "fits", "tightest_rank", "over_capacity_bytes", "mfu",
            "freeze_speedup", "sim_wall_s"]
 """sweep.csv's columns after config_id and the grid keys. gpus = stages x tp x dp; global_batch = sequences per
 step (microbatches x micro_batch_size x dp); tokens_per_s_per_gpu makes configurations of different sizes
-comparable."""
+comparable. p2p_wait_share: rank-time idle only because an input was on a link (part of the bubble);
+step_tail_share: the step after the pipeline's last action (data-parallel gradient reduction, optimizer step)."""
 
 
 def parse_grid(items: list[str]) -> dict[str, list[Any]]:
@@ -143,8 +145,10 @@ def evaluate(
             "global_batch": sc.pipeline.microbatches * sc.training.micro_batch_size * sc.parallel.dp,
             "tokens_per_s": res.tokens_per_s,
             "tokens_per_s_per_gpu": None if res.tokens_per_s is None else res.tokens_per_s / gpus,
-            "step_time_s": res.makespan_s,
+            "step_time_s": res.step_time_s,
             "bubble_ratio": res.bubble_ratio,
+            "p2p_wait_share": res.p2p_wait_share,
+            "step_tail_share": 1.0 - res.makespan_s / res.step_time_s if res.step_time_s > 0 else 0.0,
             "max_peak_hbm_bytes": float(res.peak_hbm_bytes.max()),
             "fits": fit.fits,
             "tightest_rank": fit.rank,

@@ -111,6 +111,7 @@ class SimResult:
     copies: list[CopyRecord] = field(default_factory=list)  # per copy stream in grant order (FIFO)
     peak_at: list[PeakMoment] = field(default_factory=list)  # per rank: when its HBM peak happens, what is live
     step_end_s: float = 0.0  # when the last rank's DP reduction and optimizer step end (costs.step_tail_s)
+    p2p_wait_s: np.ndarray | None = None  # per rank: time idle only because an input was still on the link
 
     @property
     def step_time_s(self) -> float:
@@ -131,6 +132,13 @@ class SimResult:
         """Idle share of all rank-time over the step."""
         total = self.makespan_s * self.schedule.num_ranks
         return float(1.0 - self.busy_s.sum() / total) if total > 0 else 0.0
+
+    @property
+    def p2p_wait_share(self) -> float:
+        """Share of all rank-time over the step spent idle only because an input was still in transit (the
+        part of the bubble that faster links would remove; fill/drain and waits on compute are the rest)."""
+        total = self.makespan_s * self.schedule.num_ranks
+        return float(self.p2p_wait_s.sum() / total) if total > 0 and self.p2p_wait_s is not None else 0.0
 
     @property
     def oom_over_limit(self) -> bool:
@@ -234,6 +242,7 @@ class _StepSimulation:
         self.step_tail = costs.step_tail_s.tolist() if costs.step_tail_s is not None else [0.0] * n_ranks
         self.peak_dram, self.peak_nvme = list(self.dram), list(self.nvme)
         self.busy = [0.0] * n_ranks
+        self.p2p_wait = [0.0] * n_ranks
         self.stall = [0.0] * n_ranks
         self.progress = [0] * n_ranks
         self.memory: list[tuple] = []
@@ -381,7 +390,7 @@ class _StepSimulation:
         env, deps, end, arrive, acts = self.env, self.deps, self.end, self.arrive, self.actions
         offloads = self.offloads
         for i in self.rank_slices[rank]:
-            ready = env.now
+            ready = produced = env.now  # produced: when the rank is free and every input has been computed
             for j, via in deps[i]:
                 if end[j] is None:
                     waiter = self.waiters.get(j)
@@ -391,6 +400,10 @@ class _StepSimulation:
                 t = arrive[j] if via else end[j]
                 if t > ready:
                     ready = t
+                if end[j] > produced:
+                    produced = end[j]
+            if ready > produced:  # exposed communication: the wait that only the transfer explains
+                self.p2p_wait[rank] += ready - produced
             kind = acts[i].kind
             backward = kind in BACKWARD_KINDS
             if offloads:
@@ -467,6 +480,7 @@ class _StepSimulation:
             start_s=np.asarray([self.start[i] for i in order]),
             end_s=np.asarray([self.end[i] for i in order]),
             busy_s=np.asarray(self.busy),
+            p2p_wait_s=np.asarray(self.p2p_wait),
             peak_activation_bytes=np.asarray(self.peak_act),
             peak_hbm_bytes=np.asarray(self.peak_hbm),
             static_bytes=np.asarray(self.static),

@@ -80,6 +80,7 @@ def simulation_summary(result: SimResult) -> dict[str, Any]:
         "makespan_s": result.makespan_s,
         "step_time_s": result.step_time_s,
         "bubble_ratio": result.bubble_ratio,
+        "p2p_wait_share": result.p2p_wait_share,
         "peak_activation_bytes": [float(x) for x in result.peak_activation_bytes],
         "peak_hbm_bytes": [float(x) for x in result.peak_hbm_bytes],
         "static_bytes": [float(x) for x in result.static_bytes],

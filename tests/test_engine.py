@@ -136,3 +136,23 @@ def test_zbv_only_bubble_is_the_first_forward_reaching_the_last_rank(p, m):
     """ZB-V (Qi et al. 2024) with T_F = T_I = T_W and m >= 2p: the idle time is the (p-1) T_F fill."""
     res = simulate(build_schedule("zbv", p, m, 2), make_costs(p, 2, m))
     assert res.makespan_s == pytest.approx(m * 2 * 3 + (p - 1) * 1)
+
+
+def test_p2p_wait_is_the_idle_time_only_transfers_explain():
+    # gpipe p=2, m=1, F=1, B=2, link 0.5: rank 1 waits 0.5 for F's output, rank 0 waits 0.5 for B's gradient
+    res = simulate(build_schedule("gpipe", 2, 1), make_costs(2, 1, 1, f=1, i=1, w=1, p2p=0.5))
+    assert timeline(res) == [("0F0", 0, 1), ("0B0", 5, 7), ("1F0", 1.5, 2.5), ("1B0", 2.5, 4.5)]
+    assert res.p2p_wait_s.tolist() == [0.5, 0.5]
+    assert res.p2p_wait_share == pytest.approx(1.0 / (2 * 7))
+
+
+@pytest.mark.parametrize("name", schedule_names())
+def test_p2p_wait_is_part_of_the_bubble_and_zero_on_free_links(name):
+    v = SCHEDULES[name].virtual_stages
+    sched = build_schedule(name, 4, 8, v)
+    free = simulate(sched, make_costs(4, v, 8, f=1, i=1, w=1))
+    assert free.p2p_wait_s.tolist() == [0.0] * 4 and free.p2p_wait_share == 0.0
+    slow = simulate(sched, make_costs(4, v, 8, f=1, i=1, w=1, p2p=0.3))
+    idle = slow.makespan_s - slow.busy_s
+    assert (slow.p2p_wait_s > 0).any() and (slow.p2p_wait_s <= idle + 1e-9).all()
+    assert 0 < slow.p2p_wait_share <= slow.bubble_ratio + 1e-12

@@ -107,6 +107,10 @@ def test_sweep_per_gpu_columns_invalid_reasons_and_report(tmp_path, capsys):
     assert f"{best['tokens_per_s']:,.0f} tokens/s" in lead
     assert "## Invalid combinations (2), not simulated" in md and "nan" not in md.lower()
     assert md.index("Best that fits") < md.index("## Files") and md.count("![pareto.png]") == 1
+    # communication: transfer waits are part of the bubble; dp=2 adds a gradient reduction after the pipeline
+    assert ((ok["p2p_wait_share"] > 0) & (ok["p2p_wait_share"] <= ok["bubble_ratio"])).all()
+    assert (ok["step_tail_share"] > 0).all()
+    assert "in transit between stages" in md and f"{best['step_tail_share']:.1%} of the step" in md
 
 
 def test_report_answers_for_simulate_and_plan(tmp_path):
