@@ -52,19 +52,19 @@ class OutputValueError(OutputError):
 
 def check_output_file(path: str | Path, flag: str = "--out") -> Path:
     """`path` as a Path if a file may be (re)written there; OutputPathError naming the problem if not."""
-    p = _nonempty(path, flag)
-    kind = _existing_kind(p)
-    if kind not in (None, "file"):
-        raise OutputPathError(f"{flag} {_short(p)}: is a {kind}, not a regular file; give a file path")
-    return _checked_path(p, flag)
+    return _check_output(path, flag, "file", "regular file")
 
 
 def check_output_folder(path: str | Path, flag: str = "--out") -> Path:
     """`path` as a Path if an output folder may be written there (absent, or an existing real folder)."""
+    return _check_output(path, flag, "folder", "folder")
+
+
+def _check_output(path: str | Path, flag: str, kind_wanted: str, noun: str) -> Path:
     p = _nonempty(path, flag)
     kind = _existing_kind(p)
-    if kind not in (None, "folder"):
-        raise OutputPathError(f"{flag} {_short(p)}: is a {kind}, not a folder; give a folder path")
+    if kind not in (None, kind_wanted):
+        raise OutputPathError(f"{flag} {short_path(p)}: is a {kind}, not a {noun}; give a {kind_wanted} path")
     return _checked_path(p, flag)
 
 
@@ -82,12 +82,12 @@ def _checked_path(p: Path, flag: str) -> Path:
         return resolved == root or resolved.startswith(root + "/")
 
     if any(map(under, FORBIDDEN_ROOTS)) and not any(map(under, ALLOWED_UNDER_FORBIDDEN)):
-        raise OutputPathError(f"{flag} {_short(p)}: lies on a kernel or device file system; write elsewhere")
+        raise OutputPathError(f"{flag} {short_path(p)}: lies on a kernel or device file system; write elsewhere")
     for parent in p.absolute().parents:
         kind = _existing_kind(parent)
         if kind is None or kind == "folder" or (kind == "symlink" and parent.is_dir()):
             continue
-        raise OutputPathError(f"{flag} {_short(p)}: {_short(parent)} is a {kind}, not a folder")
+        raise OutputPathError(f"{flag} {short_path(p)}: {short_path(parent)} is a {kind}, not a folder")
     return p
 
 
@@ -110,7 +110,8 @@ def _existing_kind(p: Path) -> str | None:
     return "fifo" if stat.S_ISFIFO(mode) else "socket"
 
 
-def _short(p: str | Path, limit: int = 80) -> str:
+def short_path(p: str | Path, limit: int = 80) -> str:
+    """A path short enough for a one-line error: its end (the file name) kept, leading folders cut."""
     text = str(p)
     return text if len(text) <= limit else "..." + text[3 - limit :]  # keep the name, cut the folders
 
@@ -188,12 +189,12 @@ def check_folder_owner(out: Path, command: str, force: bool, flag: str = "--out"
     owner = output_manifest(out)
     if owner is None:
         raise OutputPathError(
-            f"{flag} {_short(out)}: holds files pipeplan did not write (no {MANIFEST}); choose an empty or new "
+            f"{flag} {short_path(out)}: holds files pipeplan did not write (no {MANIFEST}); choose an empty or new "
             "folder, or pass --force to replace it"
         )
     if owner.get("command") != command:
         raise OutputPathError(
-            f"{flag} {_short(out)}: holds the outputs of `pipeplan {_short(str(owner.get('command')), 40)}`; "
+            f"{flag} {short_path(out)}: holds the outputs of `pipeplan {short_path(str(owner.get('command')), 40)}`; "
             "choose another folder, or pass --force to replace it"
         )
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from common.io import short_path
 from sim.errors import PipeplanError
 
 
@@ -59,10 +60,15 @@ def save(root: str | Path, step: int, rank: int, state: dict) -> None:
 
 
 def latest_step(root: str | Path) -> int:
+    """The step the `latest` marker names; PipeplanError if there is none or it holds no step number."""
     marker = Path(root) / "latest"
-    if not marker.exists():
-        raise PipeplanError(f"--resume: no complete checkpoint in {root} (no 'latest' file)")
-    return int(marker.read_text().strip())
+    try:
+        return int(marker.read_text(errors="replace").strip())
+    except FileNotFoundError:
+        raise PipeplanError(f"--resume: no complete checkpoint in {short_path(root)} (no 'latest' file)") from None
+    except (OSError, ValueError):
+        raise PipeplanError(f"--resume: {short_path(marker)} does not hold a step number; the checkpoint is broken") \
+            from None
 
 
 def check_resumable(root: str | Path, ranks: Iterable[int] | None = None) -> int:
@@ -71,8 +77,8 @@ def check_resumable(root: str | Path, ranks: Iterable[int] | None = None) -> int
     for rank in ranks if ranks is not None else ():
         path = step_dir(root, step) / f"rank-{rank}.pt"
         if not path.exists():
-            raise PipeplanError(f"--resume: {path} is missing on this node; the checkpoint directory must be a "
-                                "filesystem every node shares, written with as many ranks as this job has")
+            raise PipeplanError(f"--resume: {short_path(path)} is missing on this node; the checkpoint directory "
+                                "must be a filesystem every node shares, written with as many ranks as this job has")
     return step
 
 

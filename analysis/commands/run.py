@@ -21,6 +21,7 @@ from pathlib import Path
 from analysis.commands.simulate import add_schedule_arguments, scenario_overrides
 from analysis.console import busy
 from analysis.outputs import add_force_argument, output_folder
+from common.io import short_path
 from runtime.config import FREEZE_MODES, RunConfig
 from runtime.data import NAMED_SOURCES
 from runtime.launch import Rendezvous, launch
@@ -210,31 +211,16 @@ def check_checkpoint(root: str, ranks: range | tuple[()]) -> None:
 
     from runtime import checkpoint
 
-    marker = Path(root) / "latest"
-    try:
-        step = int(marker.read_text(errors="replace").strip())
-    except FileNotFoundError:
-        raise PipeplanError(f"--resume: no complete checkpoint in {root[:80]} (no 'latest' file)") from None
-    except (OSError, ValueError):
-        raise PipeplanError(f"--resume: {_tail(marker)} does not hold a step number; the checkpoint is broken") \
-            from None
+    step = checkpoint.check_resumable(root, ranks)  # the marker names a step; this node's rank files are there
     for rank in ranks:
-        path = checkpoint.step_dir(root, step) / f"rank-{rank}.pt"
-        if not path.is_file():
-            raise PipeplanError(f"--resume: {_tail(path)} is missing; was it written with this many ranks?")
         try:
             checkpoint.load(root, rank, torch.device("cpu"))
         except PipeplanError:
             raise
         except Exception as exc:  # truncated zip, bad pickle, refused global: all one line
-            raise PipeplanError(f"--resume: {_tail(path)} cannot be loaded ({type(exc).__name__}); "
+            path = checkpoint.step_dir(root, step) / f"rank-{rank}.pt"
+            raise PipeplanError(f"--resume: {short_path(path, 60)} cannot be loaded ({type(exc).__name__}); "
                                 "the checkpoint is broken or was not written by pipeplan run") from None
-
-
-def _tail(path: Path, limit: int = 60) -> str:
-    """A path short enough for a one-line error, keeping its end (the file name), not its start."""
-    text = str(path)
-    return text if len(text) <= limit else "..." + text[3 - limit :]
 
 
 def run(args: argparse.Namespace) -> int:
