@@ -72,8 +72,7 @@ def run(args: argparse.Namespace) -> int:
                       scenario_title(load_scenario(args.scenario, scenario_overrides(args)), args.scenario))
         if frontier is not None:
             ref = df.set_index("policy").loc["1f1b", "layer_tokens_per_s"]
-            answers = {p: deepest_at(frontier, depths[p], args.min_throughput, ref) for p in policies
-                       if p in depths}
+            answers = {p: deepest_at(frontier, depths[p], args.min_throughput, ref) for p in policies}
             fdf = pd.DataFrame(frontier, columns=FRONTIER_COLUMNS)
             atomic_write_text(stage / "frontier.csv", fdf.to_csv(index=False))
             frontier_plot(fdf, answers, args.min_throughput, stage / "frontier.png")

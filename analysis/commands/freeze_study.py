@@ -30,12 +30,11 @@ import argparse
 import math
 import shutil
 import time
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from analysis.commands.run import JobFailed, add_launch_arguments, launch_job, overrides
-from analysis.outputs import add_force_argument
+from analysis.outputs import add_force_argument, output_folder
 from common.io import atomic_write_text
 from sim.errors import PipeplanError
 
@@ -102,22 +101,19 @@ def run(args: argparse.Namespace) -> int:
     if steps <= first_steady + 1:
         raise PipeplanError(f"--tokens {args.tokens}: {steps} steps of {tokens_per_step} tokens leave no steady "
                             f"steps after warm-up, monitoring and ramp ({first_steady}); give more tokens")
-    out = Path(args.out)
     console.print(f"{len(caps)} runs of {steps} steps x {tokens_per_step} tokens ({steps * tokens_per_step:,} "
                   f"tokens) on pydoc text; {sched.name} p={sched.num_ranks} m={sched.num_microbatches}")
-    from analysis.outputs import output_folder
-
     try:
-        study = run_study(args, caps, base, steps, tokens_per_step, sched, output_folder(args))
+        study = run_study(args, caps, base, steps, tokens_per_step, sched)
     except JobFailed as exc:
         return exc.code
     print_study(study)
-    print(f"wrote {out}/: freeze_study.csv loss_curves.png cap-*/")
+    print(f"wrote {args.out}/: freeze_study.csv loss_curves.png cap-*/")
     return 0
 
 
 def run_study(args: argparse.Namespace, caps: list[float], base: RunConfig, steps: int, tokens_per_step: int,
-              sched: Schedule, folder: AbstractContextManager[Path]) -> pd.DataFrame:
+              sched: Schedule) -> pd.DataFrame:
     """One run per cap into a staged folder that replaces --out as a whole when every run succeeded."""
     import pandas as pd
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -126,7 +122,7 @@ def run_study(args: argparse.Namespace, caps: list[float], base: RunConfig, step
     from runtime.config import RunConfig
 
     out = args.out
-    with folder as stage:  # the whole study lands at once, with its manifest
+    with output_folder(args) as stage:  # the whole study lands at once, with its manifest
         rows = []
         columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                    TimeElapsedColumn())
