@@ -12,6 +12,8 @@ the two hidden dropout masks stay whole unless sequence parallelism shards them 
     TP + SP:      sbh(34/t + 5as/(ht))
     + selective:  the 5as²b terms are recomputed (their inputs Q, K, V stay)
     full:         the layer input only, 2sbh (2sbh/t with SP)
+    selective-op: torchtitan's op-level policy keeps the layer input and the outputs of every other matmul and
+                  of attention (sim/layer_ops.py op_checkpoint_bytes, which knows the matmuls' order)
 
 The same count is written here for any element size e, GQA (K and V h_kv wide), any FFN width, LLaMA's SwiGLU
 (four f-wide tensors) and flash attention, which keeps no s² tensor, only the output and an fp32 log-sum-exp
@@ -70,6 +72,11 @@ def layer_memory(sc: Scenario) -> LayerMemory:
     else:  # softmax output; with dropout also its mask and output
         core = e * a * s * s * b + ((MASK_BYTES + e) * a * s * s * b if tr.dropout > 0 else 0)
     activation = replicated / sp + (sharded + core) / t
+    if not tr.compile and m.architecture == "llama":
+        # PyTorch eager keeps what each unfused op saves for its backward (torchtitan's model at 9dec370): each
+        # RMSNorm its fp32 copy of x (pow and x * rsqrt save it) beside the bf16 output; RoPE's complex multiply
+        # its fp32 Q and K; SDPA the K and V repeated to all heads by repeat_kv rather than the h_kv-wide ones
+        activation += (2 * 4 * s * b * h / sp + 4 * s * b * (h + h_kv) / t + 2 * e * s * b * (h - h_kv) / t)
     if sc.memory.activation_model == "megatron":
         # theoretical_memory_usage.py: sbh(18 + 4f/h) per layer, i.e. Table 2's 34/t with SP (f = 4h);
         # without SP the 10sbh of replicated tensors do not divide (Table 2, "tensor parallel")

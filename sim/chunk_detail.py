@@ -29,3 +29,5 @@ class ChunkDetail:
     weight_stash_bytes: np.ndarray | None = None  # per chunk and microbatch: kept from I until W (split backward)
     backward_transient_bytes: np.ndarray | None = None  # per chunk: working set while B/I runs (the loss)
     step_transient_bytes: np.ndarray | None = None  # per chunk: what the optimizer step allocates while it runs
+    op_checkpoint_bytes: np.ndarray | None = None  # per layer: what op-level selective checkpointing keeps
+    op_recompute_s: np.ndarray | None = None  # per layer: what op-level selective checkpointing redoes

@@ -145,6 +145,15 @@ class TrainingConfig(_Section):
     """flash keeps no s x s tensors; eager keeps the softmax output (and, with dropout, its mask and output)."""
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
     """Attention and hidden dropout probability; above 0 each dropout keeps a 1-byte mask (Korthikanti)."""
+    compile: bool = True
+    """Element-wise work runs fused: torch.compile's Inductor kernels, or Megatron-LM's hand-fused kernels (fused
+    norms, bias-GeLU, bias-dropout-add), so true describes Megatron runs too. false: PyTorch eager, every
+    element-wise op its own kernel with its own reads, writes and saved tensors (torchtitan's
+    `training.compile = false`; sim/layer_ops.py counts both)."""
+    float8_linears: bool = False
+    """The transformer layers' linears run as Float8 GEMMs at the device's FP8 rate with dynamic tensor-wise
+    scaling (torchao Float8Linear, torchtitan `float8.enable_float8_linear`): bf16 weights and activations, plus
+    the memory-bound amax and cast of every operand. The LM head stays bf16. Needs a device with fp8_tflops."""
 
 
 class ParallelConfig(_Section):
@@ -283,7 +292,8 @@ def _check_freeze_curve(where: str, pts: list[list[float]]) -> None:
 
 
 Tier = Literal["hbm", "dram", "nvme"]
-RECOMPUTE_POLICIES = ("none", "full", "selective", "chronos")  # sim.memory.RECOMPUTE implements exactly these
+# sim.memory.RECOMPUTE implements exactly these
+RECOMPUTE_POLICIES = ("none", "full", "selective", "selective-op", "chronos")
 RecomputePolicy = Literal[RECOMPUTE_POLICIES]
 
 
@@ -292,8 +302,9 @@ class MemoryConfig(_Section):
 
     recompute: RecomputePolicy | list[RecomputePolicy] = "none"
     """none | full (keep layer inputs, recompute each layer before its backward) | selective (recompute
-    attention: drop Q, K, V, O) | chronos (full recomputation of the longest-lived chunks only); or one per
-    chunk."""
+    attention: drop Q, K, V, O) | selective-op (torchtitan's op-level selective checkpointing: keep the outputs
+    of every other matmul and of attention, recompute the rest) | chronos (full recomputation of the
+    longest-lived chunks only); or one per chunk."""
     offload_activations: Annotated[float, Field(ge=0, le=1)] = 0.0
     """Share of each kept activation copied to host after its forward and prefetched before its backward."""
     activations_tier: Literal["dram", "nvme"] = "dram"

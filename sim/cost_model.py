@@ -20,7 +20,7 @@ from sim.chunk_detail import ChunkDetail
 from sim.comm import build_links, p2p_link, tp_link
 from sim.config import Scenario
 from sim.data_parallel import StepTail, effective_zero, step_tail
-from sim.layer_ops import LayerTimes, head_times, layer_flops, layer_times
+from sim.layer_ops import LayerTimes, head_times, layer_flops, layer_times, op_checkpoint_bytes
 from sim.layer_split import layers_per_chunk
 from sim.overheads import loss_transient_bytes, runtime_bytes
 from sim.roofline import DeviceSpec
@@ -124,6 +124,11 @@ def device_spec(sc: Scenario) -> DeviceSpec:
         from sim.errors import ScenarioError
 
         raise ScenarioError(f"training.dtype: 'fp8' needs a device with FP8 tensor cores; {sc.device.preset} has none")
+    if sc.training.float8_linears and not dev.get("fp8_tflops"):
+        from sim.errors import ScenarioError
+
+        raise ScenarioError(f"training.float8_linears: needs a device with FP8 tensor cores (fp8_tflops); "
+                            f"{sc.device.preset} has none: set it to false or pick an H100/H200 preset")
     return DeviceSpec.from_resolved(dev, sc.device.efficiency, fp8=sc.training.dtype == "fp8")
 
 
@@ -210,6 +215,8 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
         weight_stash_bytes=counts * lc.weight_stash_bytes * frag,
         backward_transient_bytes=transient * frag,
         step_transient_bytes=tail.transient_bytes_per_chunk,
+        op_checkpoint_bytes=np.full(chunks, op_checkpoint_bytes(sc) * frag),
+        op_recompute_s=np.full(chunks, lt.op_recompute_s),
     )
     flops_mb = t * (m.layers * (lc.forward_flops + lc.backward_input_flops + lc.backward_weight_flops)
                     + 3 * head.flops)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sim.activations import DTYPE_BYTES, MASK_BYTES, mlp_widths, sequence_divisor
+from sim.activations import DTYPE_BYTES, LSE_BYTES, MASK_BYTES, mlp_widths, sequence_divisor
 from sim.comm import Link, all_reduce_s
 from sim.config import Scenario
 from sim.roofline import DeviceSpec, attention_s, gemm_s, memory_bound_s
@@ -51,6 +51,7 @@ class LayerTimes:
     backward_input_s: float
     backward_weight_s: float
     attention_forward_s: float
+    op_recompute_s: float  # what op-level selective recomputation redoes (sim/memory.py "selective-op")
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,16 @@ def layer_flops(sc: Scenario) -> LayerFlops:
 
 
 def _elementwise_bytes(sc: Scenario) -> float:
-    """Forward bytes read + written by one layer's memory-bound ops on one TP rank."""
+    """Forward bytes read + written by one layer's memory-bound ops on one TP rank.
+
+    Fused (`training.compile`, or Megatron's fused kernels): each norm, activation and residual add reads its
+    input and writes its output once. Eager (torchtitan with `training.compile = false`, its model code at
+    9dec370): every op is its own kernel. RMSNorm (models/norms.py) runs x.float(), pow, mean, x * rsqrt,
+    type_as and * weight: (28 + 4e) bytes per element instead of 2e; RoPE (apply_rotary_emb) casts Q and K to
+    fp32, multiplies complex numbers and casts back: 16 + 2e instead of 2e; SiLU(gate) * up is two kernels:
+    5e instead of 3e. For GPT, bias + dropout + residual are three kernels (7e + mask, fused 3e + mask) and
+    bias + GeLU two (4e, fused 2e). Both modes copy K and V to all heads for GQA (repeat_kv) and copy the
+    attention output to a contiguous layout before the output projection (LLaMA)."""
     m, tr, t = sc.model, sc.training, sc.parallel.tp
     assert m is not None
     e = DTYPE_BYTES[tr.dtype]
@@ -105,11 +115,85 @@ def _elementwise_bytes(sc: Scenario) -> float:
     h_kv = m.kv_heads * (h // m.heads)
     mask = MASK_BYTES if tr.dropout > 0 else 0
     sp = sequence_divisor(sc)
-    replicated = (4 * e + 2 * (3 * e + mask)) * sb * h  # 2 norms, 2 bias-dropout-residual adds
-    gelu = 2 * e * sb * f  # bias + GeLU
-    swiglu_rope = 3 * e * sb * f + 2 * e * sb * (h + h_kv)  # SiLU(gate) * up, RoPE on Q and K
-    sharded = gelu if m.architecture == "gpt" else swiglu_rope
-    return replicated / sp + sharded / t
+    eager = not tr.compile
+    if m.architecture == "gpt":
+        norm = 2 * e  # F.layer_norm is one kernel either way
+        residual = (7 * e if eager else 3 * e) + mask  # bias, dropout, residual add
+        replicated = (2 * norm + 2 * residual) * sb * h
+        sharded = (4 * e if eager else 2 * e) * sb * f  # bias + GeLU
+        return replicated / sp + sharded / t
+    norm = 28 + 4 * e if eager else 2 * e
+    replicated = (2 * norm + 2 * 3 * e) * sb * h  # two RMSNorms, two residual adds
+    rope = (16 + 2 * e if eager else 2 * e) * sb * (h + h_kv)
+    swiglu = (5 * e if eager else 3 * e) * sb * f
+    repeat_kv = 2 * e * sb * (h_kv + h) if h_kv < h else 0.0  # expand + reshape of K and of V
+    out_copy = 2 * e * sb * h  # output.transpose(1, 2).contiguous()
+    return replicated / sp + (rope + swiglu + repeat_kv + out_copy) / t
+
+
+def _float8_cast_bytes(sc: Scenario) -> tuple[float, float, float]:
+    """(F, I, W) bytes of the dynamic tensor-wise scaling of every Float8 GEMM operand of one layer.
+
+    torchao's Float8Linear (float8_utils.tensor_to_amax, to_fp8_saturated) takes amax(|x|) of each bf16 operand
+    and casts it to fp8 with the scale that amax gives: an abs, a max reduction, and a scale-clamp-cast pass.
+    Compiled, Inductor folds the amax reduction into the kernel that produces the operand (torchtitan's
+    float8.py: Float8 "is intended to be ran under torch.compile"), leaving the cast pass (read e, write 1):
+    e + 1 bytes per element; eager, abs reads and writes, max re-reads |x| and the cast reads x again: 4e + 1.
+    F casts X and W, I casts dY and W again (the fp8 GEMM wants W transposed), W casts X and dY (transposed)."""
+    e = DTYPE_BYTES[sc.training.dtype]
+    per = (e + 1) if sc.training.compile else (4 * e + 1)
+    f = i = w = 0.0
+    for mm, n, k in _gemms(sc):
+        f += per * (mm * k + k * n)
+        i += per * (mm * n + k * n)
+        w += per * (mm * k + mm * n)
+    return f, i, w
+
+
+def projections(sc: Scenario) -> list[tuple[float, float, float, bool]]:
+    """The layer's forward matmuls on one TP rank in the order they run, as (M, N, K, saved): saved is what
+    torchtitan's op-level selective checkpointing keeps. LLaMA follows torchtitan's model (wq, wk, wv, wo; then
+    w1, w3, w2, from `w2(silu(w1(x)) * w3(x))`), GPT Megatron's (fused QKV, proj, fc1, fc2). The policy
+    (torchtitan parallelize_llama.py `_custom_policy` at 9dec370) counts aten.mm calls in a layer's forward and
+    saves the outputs of the odd-numbered ones, recomputing "every second mm". Each output is M x N: for the
+    row-parallel ones (wo, w2) the partial sums, h wide, before their reduction."""
+    m, t = sc.model, sc.parallel.tp
+    assert m is not None
+    tokens = sc.training.micro_batch_size * m.seq_len
+    h, f = m.hidden, m.ffn_hidden
+    h_kv = m.kv_heads * (h // m.heads)
+    if m.architecture == "gpt":
+        shapes = [((h + 2 * h_kv) / t, h), (h, h / t), (f / t, h), (h, f / t)]
+    else:
+        shapes = [(h / t, h), (h_kv / t, h), (h_kv / t, h), (h, h / t), (f / t, h), (f / t, h), (h, f / t)]
+    return [(tokens, n, k, i % 2 == 0) for i, (n, k) in enumerate(shapes)]
+
+
+def op_checkpoint_bytes(sc: Scenario) -> float:
+    """Bytes one layer keeps per microbatch under torchtitan's op-level selective checkpointing: its input (the
+    checkpoint's argument) and the outputs of the ops in the policy's save list (parallelize_llama.py
+    `_save_list` at 9dec370): every other aten.mm (`projections`), flash/efficient SDPA (its output and fp32
+    log-sum-exp; eager attention is bmm + softmax, not in the list, so nothing), and with sequence
+    parallelism the reduce-scatters of the two row-parallel outputs. Float8 GEMMs are torch._scaled_mm, not
+    aten.mm, so with Float8 linears no GEMM output is kept; the list's aten.abs keeps |x| of each activation
+    the GEMMs cast (torchao's amax is max(abs(x))), one per distinct input under torch.compile's common
+    subexpression elimination. The weights' |W| is assumed not kept: torchtitan precomputes FSDP weight scales
+    (precompute_float8_dynamic_scale_for_fsdp), outside the checkpointed layer."""
+    m, tr, t = sc.model, sc.training, sc.parallel.tp
+    assert m is not None
+    e = DTYPE_BYTES[tr.dtype]
+    b, s, h = tr.micro_batch_size, m.seq_len, m.hidden
+    sp = sequence_divisor(sc)
+    kept = e * b * s * h / sp
+    if tr.float8_linears:  # aten.abs of each distinct bf16 input the GEMMs cast (QKV, out-proj, MLP up, down)
+        kept += sum(e * mm * k for mm, _, k in _gemms(sc))
+    else:
+        kept += sum(e * mm * n for mm, n, _, saved in projections(sc) if saved)
+    if tr.attention == "flash":
+        kept += e * b * s * h / t + LSE_BYTES * m.heads * s * b / t
+    if t > 1 and sc.parallel.sequence_parallel:
+        kept += 2 * e * b * s * h / t
+    return kept
 
 
 def _attention_s(sc: Scenario, dev: DeviceSpec) -> tuple[float, float]:
@@ -134,10 +218,15 @@ def _attention_s(sc: Scenario, dev: DeviceSpec) -> tuple[float, float]:
 
 
 def layer_times(sc: Scenario, dev: DeviceSpec, tp: Link) -> LayerTimes:
-    e = 1 if sc.training.dtype == "fp8" else DTYPE_BYTES[sc.training.dtype]
-    f_gemm = sum(gemm_s(mm, n, k, e, dev) for mm, n, k in _gemms(sc))
-    i_gemm = sum(gemm_s(mm, k, n, e, dev) for mm, n, k in _gemms(sc))
-    w_gemm = sum(gemm_s(k, n, mm, e, dev) for mm, n, k in _gemms(sc))
+    tr = sc.training
+    float8 = tr.float8_linears or tr.dtype == "fp8"
+    e = 1 if float8 else DTYPE_BYTES[tr.dtype]
+    gdev = dev.fp8() if tr.float8_linears else dev  # dtype "fp8": dev already runs at the FP8 rate
+    f_gemm = sum(gemm_s(mm, n, k, e, gdev) for mm, n, k in _gemms(sc))
+    i_gemm = sum(gemm_s(mm, k, n, e, gdev) for mm, n, k in _gemms(sc))
+    w_gemm = sum(gemm_s(k, n, mm, e, gdev) for mm, n, k in _gemms(sc))
+    cast_f, cast_i, cast_w = (memory_bound_s(x, dev) for x in _float8_cast_bytes(sc)) if tr.float8_linears \
+        else (0.0, 0.0, 0.0)
     attn_f, attn_i = _attention_s(sc, dev)
     elem = memory_bound_s(_elementwise_bytes(sc), dev)
     comm = 0.0
@@ -145,17 +234,26 @@ def layer_times(sc: Scenario, dev: DeviceSpec, tp: Link) -> LayerTimes:
     if t > 1:
         m = sc.model
         assert m is not None
-        nbytes = DTYPE_BYTES[sc.training.dtype] * sc.training.micro_batch_size * m.seq_len * m.hidden
+        nbytes = DTYPE_BYTES[tr.dtype] * tr.micro_batch_size * m.seq_len * m.hidden
         comm = 2 * all_reduce_s(nbytes, t, tp)  # two all-reduces (or AG + RS pairs) per pass
 
     def with_comm(gemm: float) -> float:
         return max(gemm, comm) if sc.parallel.tp_comm_overlap else gemm + comm
 
+    # op-level selective recomputation redoes every op whose output it does not save: the unsaved matmuls,
+    # all element-wise work and casts, the TP all-gathers (the reduce-scatters are saved; without sequence
+    # parallelism the all-reduces are not), and eager attention (flash attention's output is saved). Float8
+    # GEMMs are torch._scaled_mm, not the aten.mm the policy saves, so with Float8 every projection is redone.
+    unsaved = sum(gemm_s(mm, n, k, e, gdev) for mm, n, k, saved in projections(sc)
+                  if not saved or tr.float8_linears)
+    redo_comm = comm / 2 if sc.parallel.sequence_parallel else comm
+    op_recompute = unsaved + elem + cast_f + redo_comm + (attn_f if tr.attention == "eager" else 0.0)
     return LayerTimes(
-        forward_s=with_comm(f_gemm) + attn_f + elem,
-        backward_input_s=with_comm(i_gemm) + attn_i + ELEMENTWISE_BACKWARD_FACTOR * elem,
-        backward_weight_s=w_gemm,
+        forward_s=with_comm(f_gemm) + cast_f + attn_f + elem,
+        backward_input_s=with_comm(i_gemm) + cast_i + attn_i + ELEMENTWISE_BACKWARD_FACTOR * elem,
+        backward_weight_s=w_gemm + cast_w,
         attention_forward_s=attn_f,
+        op_recompute_s=op_recompute,
     )
 
 

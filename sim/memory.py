@@ -5,6 +5,8 @@ A `MemoryPlan` holds per-chunk arrays the engine consumes. Recomputation policie
     none       keep every activation (Korthikanti et al.'s "no recomputation")
     full       keep each layer's input, recompute the layer's forward right before its backward
     selective  recompute attention: drop Q, K, V, O and the softmax statistics, redo QKV projection + attention
+    selective-op  torchtitan's op-level selective checkpointing (selective_ac_option = "op"): keep the layer
+               input and the outputs of every other matmul and of flash attention, recompute everything else
     chronos    lifetime-aware: full recomputation for the chunks whose activations live longest in HBM (mean
                time from F end to B/I start at or above the median over all chunks), nothing for the rest
 
@@ -39,16 +41,22 @@ HOST_ADAM_BYTES_PER_PARAM = 4 + 2 * 4 + 2 * 4 + 2 * 4
 
 
 def activation_arrays(
-    costs: CostTable, full_layers: np.ndarray, selective_layers: np.ndarray
+    costs: CostTable, full_layers: np.ndarray, selective_layers: np.ndarray, op_layers: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(kept, transient, extra time) per chunk when `full_layers` are recomputed whole and `selective_layers`
-    recompute attention only. Linear in the layer counts, which is what lets the MILP choose them."""
+    """(kept, transient, extra time) per chunk when `full_layers` are recomputed whole, `selective_layers`
+    recompute attention only and `op_layers` follow torchtitan's op-level policy (keep every other matmul's
+    output and attention's, redo the rest). Linear in the layer counts, which is what lets the MILP choose them."""
     d = _detail(costs)
+    n = costs.num_chunks
+    op_layers = np.zeros(n) if op_layers is None else op_layers
     saved_full = d.layer_activation_bytes - d.layer_checkpoint_bytes
-    kept = costs.activation_bytes - full_layers * saved_full - selective_layers * d.attention_activation_bytes
-    extra = full_layers * d.layer_forward_s + selective_layers * d.attention_forward_s
-    transient = np.where(full_layers > 0, d.layer_activation_bytes, np.where(selective_layers > 0,
-                                                                             d.attention_activation_bytes, 0.0))
+    saved_op = d.layer_activation_bytes - or_zeros(d.op_checkpoint_bytes, n)
+    kept = (costs.activation_bytes - full_layers * saved_full - selective_layers * d.attention_activation_bytes
+            - op_layers * saved_op)
+    extra = (full_layers * d.layer_forward_s + selective_layers * d.attention_forward_s
+             + op_layers * or_zeros(d.op_recompute_s, n))
+    transient = np.where((full_layers > 0) | (op_layers > 0), d.layer_activation_bytes,
+                         np.where(selective_layers > 0, d.attention_activation_bytes, 0.0))
     transient = transient + or_zeros(d.backward_transient_bytes, costs.num_chunks)  # the loss's working set
     return np.maximum(kept, 0.0), transient, extra
 
@@ -59,32 +67,45 @@ def _detail(costs: CostTable) -> ChunkDetail:
     return costs.detail
 
 
-# ---- recomputation policies: name -> (costs, schedule) -> (full layers, selective layers) per chunk ----------
-RecomputeRule = Callable[[CostTable, Schedule], tuple[np.ndarray, np.ndarray]]
+# ---- recomputation policies: name -> (costs, schedule) -> (full, selective, op-level layers) per chunk -------
+RecomputeRule = Callable[[CostTable, Schedule], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
-def _none(costs: CostTable, _s: Schedule) -> tuple[np.ndarray, np.ndarray]:
-    return np.zeros(costs.num_chunks), np.zeros(costs.num_chunks)
+def _none(costs: CostTable, _s: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    zero = np.zeros(costs.num_chunks)
+    return zero, zero, zero
 
 
-def _full(costs: CostTable, _s: Schedule) -> tuple[np.ndarray, np.ndarray]:
-    return _detail(costs).layers.astype(float), np.zeros(costs.num_chunks)
+def _full(costs: CostTable, _s: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    zero = np.zeros(costs.num_chunks)
+    return _detail(costs).layers.astype(float), zero, zero
 
 
-def _selective(costs: CostTable, _s: Schedule) -> tuple[np.ndarray, np.ndarray]:
+def _selective(costs: CostTable, _s: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     d = _detail(costs)
     if not d.attention_activation_bytes.any():
         raise ScenarioError("memory.recompute: 'selective' needs a [model] scenario (explicit costs have no attention)")
-    return np.zeros(costs.num_chunks), d.layers.astype(float)
+    zero = np.zeros(costs.num_chunks)
+    return zero, d.layers.astype(float), zero
 
 
-def _chronos(costs: CostTable, schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
+def _selective_op(costs: CostTable, _s: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = _detail(costs)
+    if d.op_checkpoint_bytes is None:
+        raise ScenarioError("memory.recompute: 'selective-op' needs a [model] scenario (explicit costs have no ops)")
+    zero = np.zeros(costs.num_chunks)
+    return zero, zero, d.layers.astype(float)
+
+
+def _chronos(costs: CostTable, schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     life = activation_lifetimes(schedule, costs)
     long_lived = life >= np.median(life)
-    return np.where(long_lived, _detail(costs).layers, 0).astype(float), np.zeros(costs.num_chunks)
+    zero = np.zeros(costs.num_chunks)
+    return np.where(long_lived, _detail(costs).layers, 0).astype(float), zero, zero
 
 
-RECOMPUTE: dict[str, RecomputeRule] = {"none": _none, "full": _full, "selective": _selective, "chronos": _chronos}
+RECOMPUTE: dict[str, RecomputeRule] = {"none": _none, "full": _full, "selective": _selective,
+                                       "selective-op": _selective_op, "chronos": _chronos}
 if tuple(RECOMPUTE) != RECOMPUTE_POLICIES:  # the scenario schema's names (sim.config) and these rules are one list
     raise ImportError(f"sim.memory.RECOMPUTE {tuple(RECOMPUTE)} differs from sim.config.RECOMPUTE_POLICIES")
 
@@ -111,13 +132,12 @@ def build_memory_plan(sc: Scenario, costs: CostTable, schedule: Schedule) -> Mem
     mem: MemoryConfig = sc.memory
     n = costs.num_chunks
     names = mem.recompute if isinstance(mem.recompute, list) else [mem.recompute] * n
-    full = np.zeros(n)
-    selective = np.zeros(n)
+    full, selective, op = np.zeros(n), np.zeros(n), np.zeros(n)
     for name in sorted(set(names)):
-        f, s = RECOMPUTE[name](costs, schedule)
+        f, s, o = RECOMPUTE[name](costs, schedule)
         mask = np.array([x == name for x in names])
-        full[mask], selective[mask] = f[mask], s[mask]
-    kept, transient, extra = activation_arrays(costs, full, selective)
+        full[mask], selective[mask], op[mask] = f[mask], s[mask], o[mask]
+    kept, transient, extra = activation_arrays(costs, full, selective, op)
     policy = tuple(
         "chronos:full" if nm == "chronos" and full[c] else ("chronos:none" if nm == "chronos" else nm)
         for c, nm in enumerate(names)

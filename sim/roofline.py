@@ -18,7 +18,7 @@ attention alike (one calibration per device); the memory-bound terms stay.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # cuBLAS' largest bf16 tensor-core tile for big GEMMs on Ampere/Hopper (NVIDIA's GEMM guide uses 256 x 128).
 TILE_M, TILE_N = 256, 128
@@ -34,18 +34,26 @@ class DeviceSpec:
     gemm_efficiency: float  # large-GEMM asymptote of achieved / peak
     attention_efficiency: float  # fused attention kernel, achieved / peak
     flat_efficiency: float | None = None  # a scenario's [device] efficiency: replaces both curves
+    fp8_peak_flops: float | None = None  # dense FP8 FLOP/s, where the device has FP8 tensor cores
 
     @classmethod
     def from_resolved(cls, dev: dict[str, float], flat: float | None, fp8: bool = False) -> DeviceSpec:
-        peak = dev["fp8_tflops"] if fp8 and dev.get("fp8_tflops") else dev["peak_tflops"]
+        fp8_peak = dev["fp8_tflops"] * 1e12 if dev.get("fp8_tflops") else None
+        peak = fp8_peak if fp8 and fp8_peak else dev["peak_tflops"] * 1e12
         return cls(
-            peak_flops=peak * 1e12,
+            peak_flops=peak,
             hbm_bps=dev["hbm_gbps"] * 1e9,
             sm_count=int(dev["sm_count"]),
             gemm_efficiency=dev["gemm_efficiency"],
             attention_efficiency=dev["attention_efficiency"],
             flat_efficiency=flat,
+            fp8_peak_flops=fp8_peak,
         )
+
+    def fp8(self) -> DeviceSpec:
+        """The same device with GEMMs at its dense FP8 rate (the caller checks the device has one)."""
+        assert self.fp8_peak_flops is not None, "no FP8 tensor cores on this device"
+        return replace(self, peak_flops=self.fp8_peak_flops)
 
 
 def wave_efficiency(m: float, n: float, sm_count: int, batch: float = 1.0) -> float:
