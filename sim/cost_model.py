@@ -96,8 +96,9 @@ def state_bytes_per_param(sc: Scenario) -> dict[str, float]:
     k >= 1 optimizer state and fp32 master, k >= 2 gradients, k = 3 the weights (FSDP keeps the sharded fp32
     master as the parameter, so no separate bf16 copy persists). With a pipeline, FSDP does not reshard after
     forward (torchtitan parallelize.py: reshard_after_forward = not pp_enabled) and torch's pipeline stages
-    turn gradient sync off until the last microbatch, so the gathered bf16 weights and their unsharded bf16
-    gradients stay for the whole step: e + e bytes more."""
+    turn gradient sync off until the last microbatch, so the gathered weights (e bytes, 1 with Float8
+    all-gathers) and the unsharded gradients, accumulated in the fp32 reduce dtype (4 bytes), stay for the
+    whole step."""
     tr, dp = sc.training, sc.parallel.dp
     zero = effective_zero(sc)
     e = DTYPE_BYTES[tr.dtype]
@@ -109,8 +110,11 @@ def state_bytes_per_param(sc: Scenario) -> dict[str, float]:
         "optimizer": {"adam": 8, "sgd": 4}[tr.optimizer] / (dp if zero >= 1 else 1),  # Adam m, v; momentum
     }
     if zero == 3 and dp > 1 and sc.pipeline.stages > 1:
-        parts["weights"] += e
-        parts["gradients"] += e
+        # FSDP2 with float8 all-gather keeps the unsharded linear weights in fp8 (torchtitan's 405B config:
+        # enable_fsdp_float8_all_gather); with gradient sync off and reduce_dtype fp32 it accumulates the
+        # unsharded gradient in fp32 (torch _fsdp_param.py FSDPParam.to_accumulated_grad_if_needed)
+        parts["weights"] += 1 if tr.float8_linears else e
+        parts["gradients"] += 4
     return parts
 
 

@@ -18,9 +18,12 @@ bias-dropout-residual adds (2·(3e + mask)·sbh), the MLP activation (GeLU: 2e·
 LLaMA, RoPE on Q and K (2e·sb(h + h_kv)). Norms and residual adds divide by t only with sequence parallelism.
 
 Tensor-parallel communication: F and I each run two all-reduces of e·bsh (with sequence parallelism an
-all-gather + reduce-scatter pair each, the same bytes); with sequence parallelism the backward re-gathers the
-inputs of the column-parallel GEMMs for W, which Megatron overlaps with the input-gradient GEMMs (not
-counted). With tp_comm_overlap the collectives hide behind the GEMMs: a pass takes max(GEMMs, comms).
+all-gather + reduce-scatter pair each, the same bytes). Sequence parallelism keeps only the shard of the
+column-parallel GEMMs' inputs (QKV, MLP up), so the backward all-gathers them again for W (Korthikanti et al.
+2022 §4.2.2; Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication.backward): two more all-gathers of
+e·bsh, half an all-reduce each, on the W pass. Megatron issues them asynchronously, as it does the backward
+all-reduce without sequence parallelism; both are counted the same way: added to their pass, or with
+tp_comm_overlap hidden behind the GEMMs, a pass taking max(GEMMs, comms).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sim.activations import DTYPE_BYTES, LSE_BYTES, MASK_BYTES, mlp_widths, sequence_divisor
-from sim.comm import Link, all_reduce_s
+from sim.comm import Link, all_gather_s, all_reduce_s
 from sim.config import Scenario
 from sim.roofline import DeviceSpec, attention_s, gemm_s, memory_bound_s
 
@@ -229,16 +232,18 @@ def layer_times(sc: Scenario, dev: DeviceSpec, tp: Link) -> LayerTimes:
         else (0.0, 0.0, 0.0)
     attn_f, attn_i = _attention_s(sc, dev)
     elem = memory_bound_s(_elementwise_bytes(sc), dev)
-    comm = 0.0
+    comm = regather = 0.0
     t = sc.parallel.tp
     if t > 1:
         m = sc.model
         assert m is not None
         nbytes = DTYPE_BYTES[tr.dtype] * tr.micro_batch_size * m.seq_len * m.hidden
         comm = 2 * all_reduce_s(nbytes, t, tp)  # two all-reduces (or AG + RS pairs) per pass
+        if sc.parallel.sequence_parallel:  # W needs the gathered inputs of the QKV and MLP-up GEMMs again
+            regather = 2 * all_gather_s(nbytes, t, tp)
 
-    def with_comm(gemm: float) -> float:
-        return max(gemm, comm) if sc.parallel.tp_comm_overlap else gemm + comm
+    def with_comm(gemm: float, collectives: float = comm) -> float:
+        return max(gemm, collectives) if sc.parallel.tp_comm_overlap else gemm + collectives
 
     # op-level selective recomputation redoes every op whose output it does not save: the unsaved matmuls,
     # all element-wise work and casts, the TP all-gathers (the reduce-scatters are saved; without sequence
@@ -251,7 +256,7 @@ def layer_times(sc: Scenario, dev: DeviceSpec, tp: Link) -> LayerTimes:
     return LayerTimes(
         forward_s=with_comm(f_gemm) + cast_f + attn_f + elem,
         backward_input_s=with_comm(i_gemm) + cast_i + attn_i + ELEMENTWISE_BACKWARD_FACTOR * elem,
-        backward_weight_s=w_gemm + cast_w,
+        backward_weight_s=with_comm(w_gemm, regather) + cast_w,
         attention_forward_s=attn_f,
         op_recompute_s=op_recompute,
     )

@@ -106,8 +106,12 @@ def test_zero_stages_shard_states_over_dp():
     assert bytes_per_param(gpt(parallel={"dp": 4, "zero": 1})) == 6 + 12 / 4  # Megatron distributed optimizer
     assert bytes_per_param(gpt(parallel={"dp": 4, "zero": 2})) == 2 + 16 / 4
     assert bytes_per_param(gpt(parallel={"dp": 4, "zero": 3}, pipeline={"stages": 1})) == 16 / 4  # FSDP2
-    # with a pipeline FSDP keeps the gathered bf16 weights and accumulates unsharded bf16 gradients
-    assert bytes_per_param(gpt(parallel={"dp": 4, "zero": 3})) == 16 / 4 + 2 + 2
+    # with a pipeline FSDP keeps the gathered bf16 weights (fp8 with Float8 all-gathers) and accumulates the
+    # unsharded gradients in its fp32 reduce dtype (FSDPParam.to_accumulated_grad_if_needed)
+    assert bytes_per_param(gpt(parallel={"dp": 4, "zero": 3})) == 16 / 4 + 2 + 4
+    h100 = {"preset": "H100-SXM-80GB"}
+    assert bytes_per_param(gpt(parallel={"dp": 4, "zero": 3}, training={"float8_linears": True}, device=h100)) == \
+        16 / 4 + 1 + 4
 
 
 def test_uneven_layers_126_over_16_chunks():
