@@ -19,9 +19,10 @@ LLaMA, RoPE on Q and K (2e·sb(h + h_kv)). Norms and residual adds divide by t o
 
 Tensor-parallel communication: F and I each run two all-reduces of e·bsh (with sequence parallelism an
 all-gather + reduce-scatter pair each, the same bytes). Sequence parallelism keeps only the shard of the
-column-parallel GEMMs' inputs (QKV, MLP up), so the backward all-gathers them again for W (Korthikanti et al.
-2022 §4.2.2; Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication.backward): two more all-gathers of
-e·bsh, half an all-reduce each, on the W pass. Megatron issues them asynchronously, as it does the backward
+column-parallel GEMMs' inputs (QKV, MLP up), so the backward all-gathers them again for W (Megatron-LM
+megatron/core/tensor_parallel/layers.py, LinearWithGradAccumulationAndAsyncCommunication: forward runs
+save_for_backward(input, weight) on the shard, backward all-gathers it before the weight-gradient GEMM): two
+more all-gathers of e·bsh, half an all-reduce each, on the W pass. Megatron issues them asynchronously, as it does the backward
 all-reduce without sequence parallelism; both are counted the same way: added to their pass, or with
 tp_comm_overlap hidden behind the GEMMs, a pass taking max(GEMMs, comms).
 """
