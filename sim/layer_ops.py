@@ -22,9 +22,9 @@ all-gather + reduce-scatter pair each, the same bytes). Sequence parallelism kee
 column-parallel GEMMs' inputs (QKV, MLP up), so the backward all-gathers them again for W (Megatron-LM
 megatron/core/tensor_parallel/layers.py, LinearWithGradAccumulationAndAsyncCommunication: forward runs
 save_for_backward(input, weight) on the shard, backward all-gathers it before the weight-gradient GEMM): two
-more all-gathers of e·bsh, half an all-reduce each, on the W pass. Megatron issues them asynchronously, as it does the backward
-all-reduce without sequence parallelism; both are counted the same way: added to their pass, or with
-tp_comm_overlap hidden behind the GEMMs, a pass taking max(GEMMs, comms).
+more all-gathers of e·bsh, half an all-reduce each, on the W pass. Megatron issues them asynchronously, as
+it does the backward all-reduce without sequence parallelism; both are counted the same way: added to their
+pass, or with tp_comm_overlap hidden behind the GEMMs, a pass taking max(GEMMs, comms).
 """
 
 from __future__ import annotations
@@ -110,8 +110,9 @@ def _elementwise_bytes(sc: Scenario) -> float:
     type_as and * weight: (28 + 4e) bytes per element instead of 2e; RoPE (apply_rotary_emb) casts Q and K to
     fp32, multiplies complex numbers and casts back: 16 + 2e instead of 2e; SiLU(gate) * up is two kernels:
     5e instead of 3e. For GPT, bias + dropout + residual are three kernels (7e + mask, fused 3e + mask) and
-    bias + GeLU two (4e, fused 2e). Both modes copy K and V to all heads for GQA (repeat_kv) and copy the
-    attention output to a contiguous layout before the output projection (LLaMA)."""
+    bias + GeLU two (4e, fused 2e). Eager LLaMA also copies K and V to all heads (repeat_kv) and the attention
+    output to a contiguous layout before wo; fused implementations avoid both (flash attention takes GQA's
+    K and V as they are and returns the layout the projection reads), so the fused count is unchanged."""
     m, tr, t = sc.model, sc.training, sc.parallel.tp
     assert m is not None
     e = DTYPE_BYTES[tr.dtype]
@@ -130,9 +131,10 @@ def _elementwise_bytes(sc: Scenario) -> float:
     replicated = (2 * norm + 2 * 3 * e) * sb * h  # two RMSNorms, two residual adds
     rope = (16 + 2 * e if eager else 2 * e) * sb * (h + h_kv)
     swiglu = (5 * e if eager else 3 * e) * sb * f
-    repeat_kv = 2 * e * sb * (h_kv + h) if h_kv < h else 0.0  # expand + reshape of K and of V
-    out_copy = 2 * e * sb * h  # output.transpose(1, 2).contiguous()
-    return replicated / sp + (rope + swiglu + repeat_kv + out_copy) / t
+    copies = 0.0
+    if eager:  # expand + reshape of K and of V to all heads; output.transpose(1, 2).contiguous()
+        copies = (2 * e * sb * (h_kv + h) if h_kv < h else 0.0) + 2 * e * sb * h
+    return replicated / sp + (rope + swiglu + copies) / t
 
 
 def _float8_cast_bytes(sc: Scenario) -> tuple[float, float, float]:
