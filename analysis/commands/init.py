@@ -51,7 +51,7 @@ p2p_latency_us = 10.0
 tp_gbps = 450.0            # inside a tensor-parallel group (NVLink)
 
 [memory]
-recompute = "none"         # none | full | selective | chronos
+recompute = "none"         # none | full | selective | selective-op | chronos
 offload_activations = 0.0  # share of saved activations moved to host memory between forward and backward
 hbm_margin_gib = 0.0       # kept free for the allocator and communication buffers
 
