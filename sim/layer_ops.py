@@ -128,7 +128,7 @@ def _elementwise_bytes(sc: Scenario) -> float:
         sharded = (4 * e if eager else 2 * e) * sb * f  # bias + GeLU
         return replicated / sp + sharded / t
     norm = 28 + 4 * e if eager else 2 * e
-    replicated = (2 * norm + 2 * 3 * e) * sb * h  # two RMSNorms, two residual adds
+    replicated = (2 * norm + 2 * (3 * e + mask)) * sb * h  # two RMSNorms, two (dropout +) residual adds
     rope = (16 + 2 * e if eager else 2 * e) * sb * (h + h_kv)
     swiglu = (5 * e if eager else 3 * e) * sb * f
     copies = 0.0

@@ -235,7 +235,7 @@ def test_duplicate_grid_values_give_one_row(tmp_path):
 @pytest.mark.parametrize("grid, expected", [
     ({"pipeline.microbatchs": [4]}, "pipeline has no key 'microbatchs'; allowed: stages, microbatches"),
     ({"pipeline.stages": ["four"]}, "--grid pipeline.stages: value 'four': input should be a valid integer"),
-    ({"memory.recompute": ["some"]}, "input should be 'none', 'full', 'selective' or 'chronos'"),
+    ({"memory.recompute": ["some"]}, "input should be 'none', 'full', 'selective', 'selective-op' or 'chronos'"),
     ({"pipeline.stages.x": [1]}, "pipeline.stages is a value, not a table"),
 ])  # fmt: skip
 def test_bad_grid_keys_and_values_are_refused_up_front(grid, expected):
