@@ -1,38 +1,54 @@
-"""Split the decoder into pipeline chunks exactly as the scenario says (torchtitan's way: build, then prune).
+"""Split the decoder into pipeline chunks exactly as the simulator placed them (torchtitan's way: build, then
+prune).
 
-The model has L layers and the pipeline p * v chunks (stages of the schedule IR); chunk s holds layers
-[s L / (p v), (s + 1) L / (p v)), chunk 0 also the token embedding and the last chunk the final norm and the
-LM head. The chunk is built on the meta device, pruned, then materialised on its device and initialised, so
-no rank ever allocates the whole model.
+The model has L layers and the pipeline p * v chunks (stages of the schedule IR, in model order). How many
+layers each chunk holds is not decided here: `sim.cost_model.chunk_layers` is the one placement rule (even,
+uneven counts that do not divide, Megatron's embedding/loss accounting, "balanced", or the scenario's own
+`pipeline.layers_per_stage`), so the runtime trains exactly the plan the simulator predicted. Chunk c holds the
+next counts[c] layers; chunk 0 also the token embedding and the last chunk the final norm and the LM head.
+A chunk is built on the meta device, pruned, then materialised on its device and initialised, so no rank ever
+allocates the whole model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import accumulate
+
 import torch
 
 from runtime.model import ModelArgs, Transformer
+from sim.config import Scenario
+from sim.cost_model import chunk_layers
 
 
-def layer_range(stage: int, num_stages: int, n_layers: int) -> range:
-    """Global indices of the layers chunk `stage` holds."""
-    per = n_layers // num_stages
-    return range(stage * per, (stage + 1) * per)
+def layer_ranges(counts: Sequence[int]) -> list[range]:
+    """Global layer indices of each chunk, given its layer count: consecutive, in model order."""
+    ends = list(accumulate(counts))
+    return [range(end - n, end) for n, end in zip(counts, ends, strict=True)]
 
 
-def build_chunk(args: ModelArgs, stage: int, num_stages: int, device: torch.device | str = "cpu",
+def scenario_layer_ranges(sc: Scenario) -> list[range]:
+    """The layers of each chunk of a model-derived scenario, as the simulator placed them."""
+    return layer_ranges(chunk_layers(sc))
+
+
+def build_chunk(args: ModelArgs, stage: int, ranges: Sequence[range], device: torch.device | str = "cpu",
                 seed: int = 0) -> Transformer:
-    """Chunk `stage` of `num_stages`, with the full model's parameter names and initial values."""
-    if args.n_layers % num_stages:
-        raise ValueError(f"{args.n_layers} layers do not split into {num_stages} chunks")
+    """Chunk `stage` of the split `ranges` (one range per chunk), with the full model's parameter names and
+    initial values."""
+    if [i for r in ranges for i in r] != list(range(args.n_layers)):
+        raise ValueError(f"layer ranges {[(r.start, r.stop) for r in ranges]} do not cover {args.n_layers} layers "
+                         "in order")
     with torch.device("meta"):
         chunk = Transformer(args)
-    keep = {str(i) for i in layer_range(stage, num_stages, args.n_layers)}
+    keep = {str(i) for i in ranges[stage]}
     for name in list(chunk.layers):
         if name not in keep:
             del chunk.layers[name]
     if stage > 0:
         chunk.tok_embeddings = None
-    if stage < num_stages - 1:
+    if stage < len(ranges) - 1:
         chunk.norm = None
         chunk.output = None
     chunk.to_empty(device=device)
@@ -42,4 +58,4 @@ def build_chunk(args: ModelArgs, stage: int, num_stages: int, device: torch.devi
 
 def build_model(args: ModelArgs, device: torch.device | str = "cpu", seed: int = 0) -> Transformer:
     """The whole model in one piece (single-process reference training)."""
-    return build_chunk(args, 0, 1, device, seed)
+    return build_chunk(args, 0, [range(args.n_layers)], device, seed)

@@ -24,7 +24,7 @@ from runtime.model import ModelArgs
 from runtime.optim import HostOffloadOptimizer, build_optimizer
 from runtime.p2p import P2P, shares_gpus
 from runtime.split_backward import enable_split_backward
-from runtime.stages import build_chunk
+from runtime.stages import build_chunk, scenario_layer_ranges
 from scenarios import scenario_path
 from sim.config import Scenario, load_scenario
 from sim.errors import PipeplanError
@@ -99,7 +99,8 @@ class Trainer:
         m = self.scenario.model
         self.args = ModelArgs.from_scenario(m)
         self.stages = [s for s in range(sched.num_stages) if sched.stage_to_rank[s] == self.rank]
-        self.chunks = {s: build_chunk(self.args, s, sched.num_stages, self.device, cfg.seed) for s in self.stages}
+        self.layer_ranges = scenario_layer_ranges(self.scenario)  # the simulator's placement, chunk by chunk
+        self.chunks = {s: build_chunk(self.args, s, self.layer_ranges, self.device, cfg.seed) for s in self.stages}
         self.memory = run_memory(self.scenario, sched, cfg.choice())
         self.policies = self.memory.labels
         for s, chunk in self.chunks.items():

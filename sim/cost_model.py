@@ -20,7 +20,7 @@ from sim.chunk_detail import ChunkDetail
 from sim.comm import build_links, p2p_link, tp_link
 from sim.config import Scenario
 from sim.data_parallel import StepTail, effective_zero, step_tail
-from sim.layer_ops import LayerTimes, head_times, layer_flops, layer_times, op_checkpoint_bytes
+from sim.layer_ops import HeadTimes, LayerTimes, head_times, layer_flops, layer_times, op_checkpoint_bytes
 from sim.layer_split import layers_per_chunk
 from sim.overheads import loss_transient_bytes, runtime_bytes
 from sim.roofline import DeviceSpec
@@ -156,6 +156,35 @@ class ChunkCosts:
     tail: StepTail
 
 
+def chunk_extra_times(sc: Scenario, head: HeadTimes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(F, I, W) seconds per chunk of the chunks' fixed work: the embedding on the first, the final norm,
+    LM head and loss on the last."""
+    chunks = sc.num_chunks
+    extra_f, extra_i, extra_w = np.zeros(chunks), np.zeros(chunks), np.zeros(chunks)
+    extra_f[0] += head.embedding_forward_s
+    extra_i[0] += head.embedding_backward_s
+    extra_f[-1] += head.forward_s
+    extra_i[-1] += head.backward_input_s
+    extra_w[-1] += head.backward_weight_s
+    return extra_f, extra_i, extra_w
+
+
+def place_layers(sc: Scenario, lt: LayerTimes, extra_s: np.ndarray) -> list[int]:
+    """Decoder layers per chunk (model order) given one layer's times and each chunk's fixed work."""
+    assert sc.model is not None
+    layer_s = lt.forward_s + lt.backward_input_s + lt.backward_weight_s
+    return layers_per_chunk(sc.pipeline, sc.model.layers, layer_s, list(extra_s))
+
+
+def chunk_layers(sc: Scenario) -> list[int]:
+    """Decoder layers per chunk, in model order, exactly as the cost model places them: the one placement rule
+    that the simulator's costs and the runtime's stage modules (runtime/stages.py) both follow."""
+    spec = device_spec(sc)
+    lt = layer_times(sc, spec, tp_link(sc, build_links(sc, sc.device.resolved())))
+    extra_f, extra_i, extra_w = chunk_extra_times(sc, head_times(sc, spec))
+    return place_layers(sc, lt, extra_f + extra_i + extra_w)
+
+
 def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     """Resolve a model-derived scenario into per-chunk costs."""
     m, tr, t = sc.model, sc.training, sc.parallel.tp
@@ -171,15 +200,8 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     head = head_times(sc, spec)
     emb_params, head_params = embedding_params(sc)
 
-    # the chunks' fixed work: the embedding on the first, final norm + LM head + loss on the last
-    extra_f, extra_i, extra_w = np.zeros(chunks), np.zeros(chunks), np.zeros(chunks)
-    extra_f[0] += head.embedding_forward_s
-    extra_i[0] += head.embedding_backward_s
-    extra_f[-1] += head.forward_s
-    extra_i[-1] += head.backward_input_s
-    extra_w[-1] += head.backward_weight_s
-    counts = np.asarray(layers_per_chunk(sc.pipeline, m.layers, lt.forward_s + lt.backward_input_s
-                                         + lt.backward_weight_s, list(extra_f + extra_i + extra_w)), dtype=float)
+    extra_f, extra_i, extra_w = chunk_extra_times(sc, head)
+    counts = np.asarray(place_layers(sc, lt, extra_f + extra_i + extra_w), dtype=float)
 
     fwd = counts * lt.forward_s + extra_f
     bwi = counts * lt.backward_input_s + extra_i

@@ -51,7 +51,7 @@ def losses_by_step(histories) -> list[list[float]]:
 def _job(rank: int, world: int, ckpt_dir: str) -> dict:
     from runtime.data import TokenData
     from runtime.model import ModelArgs
-    from runtime.stages import build_chunk
+    from runtime.stages import build_chunk, scenario_layer_ranges
     from runtime.torch_pipelining import build_torch_schedule, torch_step
     from runtime.train import Trainer, load_run_scenario
 
@@ -68,7 +68,8 @@ def _job(rank: int, world: int, ckpt_dir: str) -> dict:
         stages = [s for s in range(sched.num_stages) if sched.stage_to_rank[s] == rank]
         data = TokenData(cfg.data, sc.model.vocab, sc.model.seq_len, sc.training.micro_batch_size, cfg.seed)
         for how in ("csv", "own") if name in TORCH_CLASSES else ("csv",):
-            chunks = {s: build_chunk(ModelArgs.from_scenario(sc.model), s, sched.num_stages, cpu) for s in stages}
+            ranges = scenario_layer_ranges(sc)
+            chunks = {s: build_chunk(ModelArgs.from_scenario(sc.model), s, ranges, cpu) for s in stages}
             opt = torch.optim.Adam([p for c in chunks.values() for p in c.parameters()], lr=cfg.lr)
             ts = build_torch_schedule(sched, chunks, cpu, how)
             per_step = []
