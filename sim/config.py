@@ -186,6 +186,9 @@ class DeviceConfig(_Section):
     attention_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
     hbm_gib: Pos | None = None
     hbm_gbps: Pos | None = None
+    sm_count: PosInt | None = None
+    """Streaming multiprocessors that wave quantisation fills (sim/roofline.py); `pipeplan profile --gemm`
+    writes the device's own count with the curve it fits."""
     host_link_gbps: Pos | None = None
     dram_gib: NonNeg | None = None
     dram_gbps: Pos | None = None

@@ -285,3 +285,13 @@ def head_times(sc: Scenario, dev: DeviceSpec) -> HeadTimes:
         embedding_backward_s=2 * emb,
         flops=2 * tokens * h * v / t,
     )
+
+
+def gemm_shapes(sc: Scenario) -> list[tuple[float, float, float]]:
+    """(M, N, K) of every GEMM one layer and the LM head run per microbatch on one TP rank, F's then I's
+    (dX = dY Wᵀ) then W's (dW = Xᵀ dY), as layer_times and head_times time them: the transformer's own shapes
+    `pipeplan profile --gemm` measures."""
+    m = sc.model
+    assert m is not None
+    forward = [*_gemms(sc), (sc.training.micro_batch_size * m.seq_len, m.vocab / sc.parallel.tp, m.hidden)]
+    return [*forward, *[(mm, k, n) for mm, n, k in forward], *[(k, n, mm) for mm, n, k in forward]]

@@ -1,0 +1,86 @@
+"""`pipeplan profile --gemm`: the curve fit (sim/gemm_fit.py) recovers the parameters of timings the curve
+itself generated, matches a brute-force search on noisy ones, and the command runs end to end on the CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from sim.config import load_scenario
+from sim.cost_model import model_chunk_costs
+from sim.gemm_fit import curve_terms, fit_gemm_curve
+from sim.roofline import DeviceSpec, gemm_s
+
+# H100-like: a compute-bound tail (big squares), wave-quantised middles and thin-K memory-bound GEMMs
+SHAPES = [(d, d, d) for d in (256, 512, 1024, 2048, 4096, 8192)] + [
+    (d, d, k) for d in (1024, 4096, 8192) for k in (16, 64)] + [(8192, 1536, 4096), (8192, 4096, 14336),
+                                                               (8192, 128256, 4096), (4096, 14336, 8192)]
+TRUE = DeviceSpec(peak_flops=989.5e12, hbm_bps=2950e9, sm_count=132, gemm_efficiency=0.63, attention_efficiency=1.0)
+
+
+def curve_times(spec: DeviceSpec, e: int = 2) -> np.ndarray:
+    return np.array([gemm_s(m, n, k, e, spec) for m, n, k in SHAPES])
+
+
+def test_fit_recovers_the_parameters_of_the_curves_own_timings():
+    fit = fit_gemm_curve(SHAPES, curve_times(TRUE), 2, peak_tflops=989.5, sm_count=132)
+    assert fit.gemm_efficiency == pytest.approx(0.63, rel=1e-9)
+    assert fit.hbm_gbps == pytest.approx(2950, rel=1e-9)
+    assert fit.rms_log_error < 1e-9
+    assert 0 < fit.compute_bound < len(SHAPES)  # both parameters were identifiable
+    np.testing.assert_allclose(fit.predict_s(SHAPES, 2), curve_times(TRUE), rtol=1e-9)
+
+
+def test_fit_on_noisy_timings_is_the_brute_force_least_squares_optimum():
+    """5% log-normal noise: the fit's objective equals the least over a fine (g, B) grid (within its step),
+    and the parameters land near the truth."""
+    rng = np.random.default_rng(0)
+    t = curve_times(TRUE) * np.exp(rng.normal(0, 0.05, len(SHAPES)))
+    fit = fit_gemm_curve(SHAPES, t, 2, peak_tflops=989.5, sm_count=132)
+    c, m = (np.log(v) for v in curve_terms(SHAPES, 2, 989.5, 132))
+    xs, ys = np.linspace(np.log(0.3), 0, 601), np.log(np.linspace(1000e9, 6000e9, 601))
+    obj = ((np.maximum(c[:, None, None] - xs[None, :, None], m[:, None, None] - ys[None, None, :])
+            - np.log(t)[:, None, None]) ** 2).sum(axis=0)
+    assert len(SHAPES) * fit.rms_log_error**2 <= obj.min() + 1e-12
+    assert fit.gemm_efficiency == pytest.approx(0.63, rel=0.05)
+    assert fit.hbm_gbps == pytest.approx(2950, rel=0.1)
+
+
+def test_efficiency_is_capped_at_one():
+    fast = DeviceSpec(989.5e12, 2950e9, 132, 1.0, 1.0)
+    t = curve_times(fast) / 1.5  # faster than the peak allows
+    assert fit_gemm_curve(SHAPES, t, 2, 989.5, 132).gemm_efficiency == 1.0
+
+
+def test_profile_gemm_end_to_end_on_the_cpu(tmp_path):
+    out = tmp_path / "gemm"
+    proc = subprocess.run([sys.executable, "-m", "analysis.cli", "profile", "--gemm", "--device", "cpu", "--dtype",
+                           "fp32", "--max-dim", "128", "--repeats", "3", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "rms log error" in proc.stdout
+    df = pd.read_csv(out / "gemm.csv")
+    assert list(df.columns[:7]) == ["m", "n", "k", "dtype", "seconds", "tflops", "predicted_s"]
+    assert (df.seconds > 0).all() and set(df.dtype) == {"fp32"}
+    np.testing.assert_allclose(df.tflops, 2 * df.m * df.n * df.k / df.seconds / 1e12)
+    fit = json.loads((out / "gemm.json").read_text())
+    assert fit["rms_log_error"] == pytest.approx(np.sqrt(np.mean(np.log(df.predicted_s / df.seconds) ** 2)))
+    assert (out / "gemm.png").stat().st_size > 0
+    # the [device] table is a valid scenario override that the cost model runs with
+    import tomllib
+
+    device = tomllib.loads((out / "device.toml").read_text())["device"]
+    sc = load_scenario("tiny-cpu", {f"device.{k}": v for k, v in device.items()} | {"device.efficiency": None})
+    assert sc.device.resolved()["gemm_efficiency"] == device["gemm_efficiency"]
+    assert model_chunk_costs(sc).forward_s.min() > 0
+
+
+def test_profile_gemm_rejects_bad_flags(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "analysis.cli", "profile", "--gemm", "--device", "cpu",
+                           "--max-dim", "8", "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--max-dim" in proc.stderr and "Traceback" not in proc.stderr
