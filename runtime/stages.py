@@ -20,6 +20,7 @@ import torch
 from runtime.model import ModelArgs, Transformer
 from sim.config import Scenario
 from sim.cost_model import chunk_layers
+from sim.errors import PipeplanError
 
 
 def layer_ranges(counts: Sequence[int]) -> list[range]:
@@ -31,6 +32,19 @@ def layer_ranges(counts: Sequence[int]) -> list[range]:
 def scenario_layer_ranges(sc: Scenario) -> list[range]:
     """The layers of each chunk of a model-derived scenario, as the simulator placed them."""
     return layer_ranges(chunk_layers(sc))
+
+
+def check_ranks_hold_parameters(ranges: Sequence[range], stage_to_rank: Sequence[int]) -> None:
+    """Refuse a split that leaves a rank without parameters (only empty middle chunks): it would have nothing
+    to train, and no optimizer accepts an empty parameter list. The simulator can still plan it."""
+    last = len(ranges) - 1
+    for rank in sorted(set(stage_to_rank)):
+        chunks = [c for c, r in enumerate(stage_to_rank) if r == rank]
+        if all(len(ranges[c]) == 0 and 0 < c < last for c in chunks):
+            raise PipeplanError(
+                f"pipeline.layers_per_stage: rank {rank} would hold only empty chunks {chunks} and no parameters; "
+                "`pipeplan run` needs a layer (or the embedding or LM head) on every rank"
+            )
 
 
 def build_chunk(args: ModelArgs, stage: int, ranges: Sequence[range], device: torch.device | str = "cpu",

@@ -24,7 +24,7 @@ from runtime.model import ModelArgs
 from runtime.optim import HostOffloadOptimizer, build_optimizer
 from runtime.p2p import P2P, shares_gpus
 from runtime.split_backward import enable_split_backward
-from runtime.stages import build_chunk, scenario_layer_ranges
+from runtime.stages import build_chunk, check_ranks_hold_parameters, scenario_layer_ranges
 from scenarios import scenario_path
 from sim.config import Scenario, load_scenario
 from sim.errors import PipeplanError
@@ -45,7 +45,9 @@ def load_run_scenario(cfg: RunConfig) -> tuple[Scenario, Schedule]:
             f"scenario {path}: has explicit [costs] but no [model]; `pipeplan run` needs a model to train "
             "(give the explicit-costs scenario to --costs for the prediction instead)"
         )
-    return sc, resolve_schedule(sc, cfg.schedule_csv)
+    schedule = resolve_schedule(sc, cfg.schedule_csv)
+    check_ranks_hold_parameters(scenario_layer_ranges(sc), schedule.stage_to_rank)
+    return sc, schedule
 
 
 @dataclass

@@ -1,12 +1,11 @@
 """The runtime trains exactly the layer placement the simulator predicted: uneven `pipeline.layers_per_stage`,
 counts that do not divide (Llama 3.1 405B's 126 layers over 16 chunks, and a small analogue), Megatron's
 embedding/loss accounting and the balanced split. Counts are checked against Megatron's rule worked by hand;
-training on an uneven split (gloo, 2 ranks, 1F1B and the V-shaped ZBV) against single-process training, bit for
-bit; and the measured forward time of each chunk against its number of layers (order only)."""
+training on an uneven split (gloo, 2 ranks, 1F1B and the V-shaped ZBV, chunks with no layers included)
+against single-process training, bit for bit; and the measured forward time of each chunk against its number
+of layers (order only)."""
 
 from __future__ import annotations
-
-import statistics
 
 import numpy as np
 import pytest
@@ -17,8 +16,10 @@ from runtime.launch import spawn
 from runtime.model import ModelArgs
 from runtime.reference import reference_losses
 from runtime.stages import build_chunk, scenario_layer_ranges
+from runtime.train import load_run_scenario
 from sim.config import load_scenario
 from sim.cost_model import model_chunk_costs
+from sim.errors import PipeplanError
 from sim.ir import Kind
 
 RANKS, MICROBATCHES, STEPS = 2, 4, 2
@@ -34,6 +35,9 @@ PLACEMENTS = {
     # 6 layers + embedding + loss = 8 slots over 4 chunks: the first and last give a layer to them
     "accounted-zbv": ({"model.layers": 6, "pipeline.schedule": "zbv", "pipeline.account_for_embedding": True,
                        "pipeline.account_for_loss": True}, [1, 2, 2, 1]),
+    # chunks holding only the embedding or only the LM head (an uneven split may leave them so)
+    "empty-ends-zbv": ({"model.layers": 4, "pipeline.schedule": "zbv", "pipeline.layers_per_stage": [0, 2, 2, 0]},
+                       [0, 2, 2, 0]),
     # the 126-layer analogue: 14 over 2 x 4 chunks, six of 2 and the two ends (LM head, embedding) of 1
     "126-like": ({"model.layers": 14, "pipeline.schedule": "interleaved-1f1b", "pipeline.virtual_stages": 4},
                  [1, 2, 2, 2, 2, 2, 2, 1]),
@@ -83,8 +87,15 @@ def test_balanced_split_gives_the_lm_head_chunk_fewer_layers():
     assert sum(counts) == 8 and counts[-1] < counts[0]
 
 
+def test_a_rank_without_parameters_is_refused_before_launch():
+    """zbv puts chunks 1 and 2 on rank 1: with no layers there, that rank would have nothing to train."""
+    cfg = config({"model.layers": 4, "pipeline.schedule": "zbv", "pipeline.layers_per_stage": [2, 0, 0, 2]})
+    with pytest.raises(PipeplanError, match=r"rank 1 would hold only empty chunks \[1, 2\]"):
+        load_run_scenario(cfg)
+
+
 # ---- training on the split, 2 gloo ranks ------------------------------------------------------------------
-TRAINED = ("uneven-1f1b", "non-divisible-zbv", "accounted-zbv")
+TRAINED = ("uneven-1f1b", "non-divisible-zbv", "accounted-zbv", "empty-ends-zbv")
 TIMED = {"model.layers": 15, "model.hidden": 128, "model.ffn_hidden": 352, "model.seq_len": 64,
          "pipeline.schedule": "zbv", "pipeline.layers_per_stage": [1, 8, 2, 4]}
 
@@ -101,7 +112,7 @@ def _job(rank: int, world: int) -> dict:
     for case in TRAINED:
         trainer = Trainer(config(PLACEMENTS[case][0]), rank, world, cpu)
         out[case] = (trainer.train(), {s: len(c.layers) for s, c in trainer.chunks.items()})
-    out["timed"] = Trainer(config(TIMED, steps=4), rank, world, cpu).train()
+    out["timed"] = Trainer(config(TIMED, steps=5), rank, world, cpu).train()
     return out
 
 
@@ -123,13 +134,15 @@ def test_uneven_split_trains_bit_for_bit_like_one_process(case, results):
 
 
 def test_measured_forward_time_follows_each_chunks_layers(results):
-    """Chunks of 1, 8, 2 and 4 layers: their median forward times (steady steps) rank as their layer counts."""
+    """Chunks of 1, 8, 2 and 4 layers: their fastest forward times (steady steps) rank as their layer counts.
+    The fastest, not the median: other processes on a shared machine only ever add time to a sample, so the
+    least one is the cleanest estimate of the chunk's own work (a median failed under a load average of 9)."""
     per_chunk: dict[int, list[float]] = {}
     for r in results:
         for record in r["timed"][1:]:
             for action, start, end in record.trace.actions:
                 if action.kind == Kind.F:
                     per_chunk.setdefault(action.stage, []).append(end - start)
-    medians = [statistics.median(per_chunk[s]) for s in sorted(per_chunk)]
+    fastest = [min(per_chunk[s]) for s in sorted(per_chunk)]
     layers = TIMED["pipeline.layers_per_stage"]
-    assert np.argsort(medians).tolist() == np.argsort(layers).tolist(), medians
+    assert np.argsort(fastest).tolist() == np.argsort(layers).tolist(), fastest
