@@ -8,6 +8,7 @@
     pipeplan scenarios | init PATH | show [SCENARIO] [--set KEY=VALUE]
     pipeplan run [SCENARIO] [--schedule NAME] [--steps N] [--out DIR]
     pipeplan profile [SCENARIO] [--out DIR]
+    pipeplan profile [SCENARIO] --gemm [--device cpu|cuda] [--dtype bf16|fp32] [--out DIR]
     pipeplan validate [--published CSV] [--out DIR]
     pipeplan freeze-study [SCENARIO] --caps 0,0.3,0.6,0.9 --tokens N [--out DIR]
     pipeplan bench sim|plan|sweep [--out DIR]
@@ -42,7 +43,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("analysis.commands.bench", "benchmarks: simulator and planner speed, CSV + figures"),
     "lcp": ("analysis.commands.lcp", "exact top-k longest-common-prefix index: build, query, bench"),
     "run": ("analysis.commands.run", "execute a verified plan with torch.distributed and measure it"),
-    "profile": ("analysis.commands.profile", "measure per-chunk F/I/W times here; write an explicit-costs scenario"),
+    "profile": ("analysis.commands.profile", "measure per-chunk F/I/W times here; write an explicit-costs scenario "
+                "(--gemm: fit the GEMM efficiency curve)"),
     "freeze-study": ("analysis.commands.freeze_study",
                      "train once per freeze cap on real text: loss (train, held-out) and step time per cap"),
 }
