@@ -224,6 +224,10 @@ class InterconnectConfig(_Section):
     p2p_latency_us: NonNeg | None = None
     tp_gbps: Pos | None = None
     """Explicit override: per-direction bandwidth inside a tensor-parallel group."""
+    p2p_blocking: bool = False
+    """The pipeline runtime waits for each P2P send to complete before the rank computes again, as Megatron-LM's
+    1F1B and interleaved schedules do (p2p_communication.py `_communicate` waits on every request it posts).
+    False: sends overlap the sender's next action (the Zero Bubble fork's runtime waits only on receives)."""
 
 
 Unit = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]

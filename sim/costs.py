@@ -39,6 +39,7 @@ class CostTable:
     params: np.ndarray | None = field(default=None)  # per chunk, per TP rank
     detail: ChunkDetail | None = None
     step_tail_s: np.ndarray | None = None  # per rank: DP reduction + optimizer step after its last action
+    p2p_blocking: bool = False  # a rank waits for each message it sends to arrive (interconnect.p2p_blocking)
 
     @property
     def num_chunks(self) -> int:
@@ -93,6 +94,7 @@ def _build_cost_table(sc: Scenario) -> CostTable:
             activation_bytes=_per_chunk(c.activation_bytes, chunks),
             static_bytes=_per_chunk(c.static_bytes, chunks),
             p2p_s=float(c.p2p_s),
+            p2p_blocking=sc.interconnect.p2p_blocking,
             hbm_bytes=c.hbm_gib * 2**30 if c.hbm_gib is not None else math.inf,
             detail=ChunkDetail(
                 layers=np.ones(chunks),
@@ -115,6 +117,7 @@ def _build_cost_table(sc: Scenario) -> CostTable:
         activation_bytes=mc.activation_bytes,
         static_bytes=mc.static_bytes,
         p2p_s=mc.p2p_s,
+        p2p_blocking=sc.interconnect.p2p_blocking,
         hbm_bytes=mc.hbm_bytes,
         tokens_per_microbatch=mc.tokens_per_microbatch,
         data_parallel=sc.parallel.dp,

@@ -3,7 +3,8 @@
 An action starts when its rank is free and its inputs have arrived: F needs the previous stage's F of that
 microbatch; B or I needs the next stage's B/I and its own F; W needs its I. A result that crosses ranks is
 sent over the directed link between them: each link is a FIFO single server (one transfer at a time, p2p_s
-each), computed in closed form so a transfer costs one timeout event; transfers overlap compute. HBM per
+each), computed in closed form so a transfer costs one timeout event; transfers overlap compute unless the
+costs say `p2p_blocking` (Megatron's schedules), where the sender waits for its send to arrive. HBM per
 rank is the static bytes plus activations, allocated when F starts and freed when B or I ends; exceeding the
 capacity is recorded (rank, time, by how much), not raised. A schedule whose ranks wait on each other forever
 raises DeadlockError naming the blocked actions.
@@ -443,6 +444,9 @@ class _StepSimulation:
                 env.process(self._offload(i, rank))
             if i in self.side_chains:
                 env.process(self._side_chain(self.side_chains[i], rank))
+            if self.costs.p2p_blocking and self.arrive[i] > env.now:  # the sender waits for its send
+                self.p2p_wait[rank] += self.arrive[i] - env.now
+                yield env.timeout(self.arrive[i] - env.now)
 
     def _optimizer_step(self) -> float:
         """After each rank's last action: its DP reduction and optimizer step (costs.step_tail_s) and the step's

@@ -250,11 +250,13 @@ def action_durations(schedule: Schedule, costs: CostTable, memory: MemoryPlan | 
     return dur
 
 
-def add_precedence(g: GraphBuilder, p2p_s: float, implied: bool = True) -> None:
-    """Each rank's order and every data input; a cross-rank input carries `p2p_s`. With `implied` False,
-    same-rank edges already implied by the rank's order (F -> B of one stage, I -> W, F(s) -> F(s+1) on one
-    rank) are left out: they would only be redundant LP rows. Edges come out grouped by producer, the rank
-    successor first, then consumers in node order (networkx's order for the same graph)."""
+def add_precedence(g: GraphBuilder, p2p_s: float, implied: bool = True, blocking: bool = False) -> None:
+    """Each rank's order and every data input; a cross-rank input carries `p2p_s`. With `blocking`
+    (CostTable.p2p_blocking) an action whose result crosses ranks also holds its rank's next action back by
+    `p2p_s`: the sender waits for its send. With `implied` False, same-rank edges already implied by the rank's
+    order (F -> B of one stage, I -> W, F(s) -> F(s+1) on one rank) are left out: they would only be redundant
+    LP rows. Edges come out grouped by producer, the rank successor first, then consumers in node order
+    (networkx's order for the same graph)."""
     st = g.structure
     rank_of = st.rank_of
     n = st.n_actions
@@ -271,7 +273,8 @@ def add_precedence(g: GraphBuilder, p2p_s: float, implied: bool = True) -> None:
             same = rank_of[u] == rank_of[v]
             if not implied and same and v != u + 1:
                 continue
-            g.add_edge(u, v, 0.0 if same else p2p_s)
+            sends = blocking and v == u + 1 and st.consumer_rank[u] not in (-1, rank_of[u])
+            g.add_edge(u, v, p2p_s if not same or sends else 0.0)
 
 
 def add_links(g: GraphBuilder, p2p_s: float) -> None:
@@ -430,7 +433,7 @@ def build_step_graph(
     delays, transfer nodes on FIFO links if `links`, and a copying `memory` plan's copy nodes in the grant
     order `copies` (a simulated step's, SimResult.copy_order())."""
     g = GraphBuilder(schedule, action_durations(schedule, costs, memory) if durations is None else durations)
-    add_precedence(g, costs.p2p_s, implied)
+    add_precedence(g, costs.p2p_s, implied, costs.p2p_blocking)
     if links:
         add_links(g, costs.p2p_s)
     if memory is not None and memory.uses_copy_engines:

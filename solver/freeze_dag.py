@@ -215,7 +215,7 @@ def build_freeze_dag(
         w_min += extra
     g.duration = w_max.tolist()
 
-    add_precedence(g, costs.p2p_s, implied=False)
+    add_precedence(g, costs.p2p_s, implied=False, blocking=costs.p2p_blocking)
     if links_can_queue(g, w_min, costs.p2p_s):
         add_links(g, costs.p2p_s)
     if memory is not None and memory.uses_copy_engines:

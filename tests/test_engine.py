@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -90,6 +92,36 @@ def test_links_are_fifo_and_transfers_overlap_compute():
     assert starts["1F0"] == pytest.approx((1.1, 1.2))
     assert starts["1F1"] == pytest.approx((2.1, 2.2))  # waits for the link, not for rank 0
     assert [(s, d, a) for s, d, a, *_ in res.transfers][:2] == [(0, 1, "0F0"), (0, 1, "0F1")]
+
+
+def test_blocking_p2p_two_ranks_timeline():
+    """Megatron's schedules wait for each send (p2p_communication._communicate waits on its requests): the
+    sender loses the transfer time. By hand, f = 1, b = 2, p2p = 0.5: rank 0 waits after 0F0 and 0F1 for their
+    sends; rank 1 waits after 1B0 for its gradient's send, so 1F1 starts at 5.0 although its input arrived at
+    3.0 (overlapping sends would start it at 4.5)."""
+    costs = replace(make_costs(2, 1, 2, f=1, i=1, w=1, p2p=0.5), p2p_blocking=True)
+    res = simulate(build_schedule("1f1b", 2, 2), costs)
+    assert timeline(res) == [
+        ("0F0", 0, 1), ("0F1", 1.5, 2.5), ("0B0", 5, 7), ("0B1", 8.5, 10.5),
+        ("1F0", 1.5, 2.5), ("1B0", 2.5, 4.5), ("1F1", 5, 6), ("1B1", 6, 8),
+    ]  # fmt: skip
+    assert res.makespan_s == 10.5
+    overlapped = simulate(build_schedule("1f1b", 2, 2), make_costs(2, 1, 2, f=1, i=1, w=1, p2p=0.5))
+    assert overlapped.makespan_s == 10.0
+
+
+@pytest.mark.parametrize("name,v", ALL)
+def test_blocking_p2p_makespan_equals_dag_longest_path(name, v):
+    """A blocking sender never queues on its link, so the DAG with the send on the rank-order edge is exact."""
+    p, m = 4, 8
+    rng = np.random.default_rng(7)
+    n = p * v
+    costs = replace(make_costs(p, v, m, f=rng.uniform(0.5, 2, n), i=rng.uniform(0.5, 2, n),
+                               w=rng.uniform(0, 1, n), p2p=0.3), p2p_blocking=True)
+    sched = build_schedule(name, p, m, v)
+    res = simulate(sched, costs)
+    assert res.makespan_s == pytest.approx(longest_path_s(build_dag(sched, costs)), rel=1e-12)
+    assert res.makespan_s >= simulate(sched, replace(costs, p2p_blocking=False)).makespan_s
 
 
 def test_oom_is_reported_not_raised():
