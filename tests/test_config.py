@@ -103,3 +103,13 @@ def test_missing_and_non_toml_files(tmp_path):
 def test_overrides_apply_dotted_keys():
     sc = load_scenario(scenario_path("explicit-unit"), {"pipeline.schedule": "gpipe", "costs.p2p_s": 0.5})
     assert sc.pipeline.schedule == "gpipe" and sc.costs.p2p_s == 0.5
+
+
+def test_p2p_blocking_reaches_the_cost_table_in_both_forms():
+    """interconnect.p2p_blocking is runtime semantics, so it applies to explicit [costs] as to a model."""
+    from sim.costs import build_cost_table
+
+    explicit = load_scenario(scenario_path("explicit-unit"), {"interconnect.p2p_blocking": True})
+    model = load_scenario(scenario_path("llama3-8b-pp4-h100"), {"interconnect.p2p_blocking": True})
+    assert build_cost_table(explicit).p2p_blocking and build_cost_table(model).p2p_blocking
+    assert not build_cost_table(load_scenario(scenario_path("explicit-unit"))).p2p_blocking
