@@ -333,6 +333,11 @@ class MemoryConfig(_Section):
     """Bytes per layer: pipeplan's LLaMA count, or Megatron-LM's theoretical sbh(18 + 4f/h)."""
     prefetch_lookahead: PosInt = 2
     """A backward's offloaded activations are fetched back when the rank starts the action this many before it."""
+    offload_weights: Literal["none", "all", "auto"] | list[bool] = "none"
+    """Chronos-Offload of weights: a chunk's bf16 working weights leave HBM between uses that are more than
+    prefetch_lookahead actions apart (and across the step boundary) and are prefetched on the copy engine
+    before the next use. none | all | auto (the memory MILP chooses per chunk; needs plan = true) | one bool
+    per chunk."""
     plan: bool = False
     """Let the MILP memory planner choose recompute/offload per chunk (ignores recompute/offload_activations)."""
 
@@ -361,6 +366,10 @@ class Scenario(_Section):
         if self.model is not None:
             _check_layer_split(self.pipeline, self.model.layers, chunks)
         _check_per_chunk("memory.recompute", self.memory.recompute, chunks)
+        _check_per_chunk("memory.offload_weights", self.memory.offload_weights, chunks)
+        if self.memory.offload_weights == "auto" and not self.memory.plan:
+            raise ValueError("memory.offload_weights: 'auto' lets the memory MILP choose; set memory.plan = true, "
+                             "or give none | all | one bool per chunk")
         for key in ("backward_min_s", "weight_min_s"):
             _check_per_chunk(f"freeze.{key}", getattr(self.freeze, key), chunks)
         return self

@@ -16,7 +16,10 @@ when the copy ends; a forward may not start while more than one earlier copy is 
 buffers). Every backward queues a host-to-device prefetch when the rank starts the action
 `prefetch_lookahead` places before it; the prefetch waits for its copy out, allocates HBM when it starts,
 and the backward waits for it. Time a rank waits on copies is reported as stall. Model states off HBM add
-the optimizer step's copies after each chunk's last backward.
+the optimizer step's copies after each chunk's last backward. Weight offload (sim.graph.weight_windows):
+an offloading chunk's weights leave HBM when the action that opens a window ends (the host keeps their
+copy, so leaving costs no copy) and come back on the h2d engine, queued when the window's issuer starts
+(before that action's activation prefetches), allocating HBM when the copy starts; the next use waits.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import simpy
 
 from sim.costs import CostTable, per_rank_sum
 from sim.errors import ScheduleError
-from sim.graph import CopyOrder, SideTask, prefetch_issuer, side_chains, step_structure
+from sim.graph import CopyOrder, SideTask, prefetch_issuer, side_chains, step_structure, weight_windows
 from sim.ir import BACKWARD_KINDS, Action, Kind, Schedule
 from sim.memory_plan import MemoryPlan, keep_everything
 
@@ -60,7 +63,7 @@ class CopyRecord:
 
     rank: int
     stream: str  # "d2h" or "h2d"
-    what: str  # "offload", "prefetch" or "step"
+    what: str  # "offload", "prefetch", "weights" (a weight prefetch: `action` is the next use) or "step"
     action: Action | None  # None for the optimizer step's copies
     stage: int
     start_s: float
@@ -232,11 +235,10 @@ class _StepSimulation:
         self.kept = [float(mem.kept_bytes[a.stage]) for a in self.actions]
         self.transient = mem.transient_bytes.tolist()
         self.live = [0.0] * n_ranks
+        self.away = [0.0] * n_ranks  # offloaded weights not in HBM now (static_hbm_bytes counts them)
         self.dram = per_rank_sum(mem.static_host_bytes.get("dram", np.zeros(0)), s2r, n_ranks).tolist()
         self.nvme = per_rank_sum(mem.static_host_bytes.get("nvme", np.zeros(0)), s2r, n_ranks).tolist()
         self.peak_act = [0.0] * n_ranks
-        self.peak_hbm = list(self.static)
-        self.peak_moment: list[tuple[float, str, float]] = [(0.0, "start", 0.0)] * n_ranks
         self.stash = mem.stash_bytes.tolist() if len(mem.stash_bytes) else [0.0] * schedule.num_stages
         self.step_transient = per_rank_sum(mem.step_transient_bytes, s2r, n_ranks).tolist() \
             if len(mem.step_transient_bytes) else [0.0] * n_ranks
@@ -247,6 +249,21 @@ class _StepSimulation:
         self.stall = [0.0] * n_ranks
         self.progress = [0] * n_ranks
         self.memory: list[tuple] = []
+        # weight offload (sim.graph.weight_windows): release after a node, prefetch issued at a node's start
+        self.weight_bytes = mem.weight_offload_bytes.tolist() if mem.offloads_weights else []
+        self.release_weights: dict[int, list[int]] = {}  # node -> chunks whose weights leave as it ends
+        self.issue_weights: dict[int, list[tuple[int, int]]] = {}  # issuer -> (next use, chunk)
+        self.weights_back: dict[int, simpy.Event] = {}  # next use -> its weights are in HBM again
+        if mem.offloads_weights:
+            for w in weight_windows(schedule, mem.prefetch_lookahead, mem.weight_offload_bytes > 0):
+                if w.release_after < 0:
+                    self.away[s2r[w.chunk]] += self.weight_bytes[w.chunk]
+                else:
+                    self.release_weights.setdefault(w.release_after, []).append(w.chunk)
+                if w.next_use >= 0:
+                    self.issue_weights.setdefault(w.issuer, []).append((w.next_use, w.chunk))
+        self.peak_hbm = [s - a for s, a in zip(self.static, self.away, strict=True)]
+        self.peak_moment: list[tuple[float, str, float, float]] = [(0.0, "start", 0.0, h) for h in self.peak_hbm]
         for r in range(n_ranks):
             self._record(r, 0.0)
         self.transfers: list[tuple[int, int, str, float, float]] = []
@@ -254,6 +271,7 @@ class _StepSimulation:
         self.finished: list[int] = []
         # offload machinery (stream semantics), only when the plan moves anything
         self.offloads = mem.offloads
+        self.copying = mem.offloads or mem.offloads_weights  # some action may wait for a copy
         self.d2h = [simpy.Resource(self.env) for _ in range(n_ranks)]
         self.h2d = [simpy.Resource(self.env) for _ in range(n_ranks)]
         self.copied = {i: self.env.event() for i, a in enumerate(self.actions) if a.kind is Kind.F} \
@@ -270,23 +288,26 @@ class _StepSimulation:
 
     # ---- memory ------------------------------------------------------------------------------------------
     def _record(self, rank: int, at: float, during: str = "") -> None:
-        static, live, dram, nvme = self.static[rank], self.live[rank], self.dram[rank], self.nvme[rank]
+        static, live = self.static[rank] - self.away[rank], self.live[rank]  # offloaded weights are not in HBM
+        dram, nvme = self.dram[rank], self.nvme[rank]
         hbm = static + live
         self.memory.append((rank, at, hbm, static, live, dram, nvme))
         if hbm > self.peak_hbm[rank]:
             self.peak_hbm[rank] = hbm
-            self.peak_moment[rank] = (at, during, live)
+            self.peak_moment[rank] = (at, during, live, static)
         if dram > self.peak_dram[rank]:
             self.peak_dram[rank] = dram
         if nvme > self.peak_nvme[rank]:
             self.peak_nvme[rank] = nvme
 
-    def _allocate(self, rank: int, delta: float, at: float, i: int) -> None:
+    def _allocate(self, rank: int, delta: float, at: float, i: int, grew: bool = False) -> None:
+        """Activations change by `delta` (`grew`: something else, e.g. returning weights, grew HBM)."""
         self.live[rank] += delta
-        self._record(rank, at, str(self.actions[i]) if delta > 0 else "")
-        if delta > 0:
+        grew = grew or delta > 0
+        self._record(rank, at, str(self.actions[i]) if grew else "")
+        if grew:
             self.peak_act[rank] = max(self.peak_act[rank], self.live[rank])
-            hbm = self.static[rank] + self.live[rank]
+            hbm = self.static[rank] - self.away[rank] + self.live[rank]
             if hbm > self.costs.hbm_bytes:
                 self.oom.append(OOMEvent(rank, at, str(self.actions[i]), float(hbm), self.costs.hbm_bytes))
 
@@ -331,6 +352,18 @@ class _StepSimulation:
             self._move_host(rank, stage, -nbytes)
         self.prefetched[b].succeed()
 
+    def _fetch_weights(self, use: int, chunk: int, rank: int):
+        """Before `use`: bring the chunk's weights back (FIFO on the h2d engine), HBM allocated when it starts."""
+        nbytes = self.weight_bytes[chunk]
+        with self.h2d[rank].request() as req:
+            yield req
+            entry = self._log(rank, "h2d", "weights", use, chunk)
+            self.away[rank] -= nbytes
+            self._allocate(rank, 0.0, self.env.now, use, grew=True)
+            yield self.env.timeout(nbytes / self.mem.host_link_bps)
+            entry[-1] = self.env.now
+        self.weights_back[use].succeed()
+
     def _log(self, rank: int, stream: str, what: str, i: int, stage: int) -> list:
         """Record a copy as its stream grants it; the caller fills in the end time."""
         entry = [rank, stream, what, i, stage, self.env.now, self.env.now]
@@ -338,8 +371,13 @@ class _StepSimulation:
         return entry
 
     def _issue_prefetches(self, rank: int, i: int) -> None:
-        """As action i starts, queue the prefetches it issues (sim.graph.prefetch_issuer: of the backward
-        `lookahead` places later on its rank; the first action, of every backward up to there)."""
+        """As action i starts, queue the prefetches it issues: weights first (sim.graph.weight_windows), then
+        activations (sim.graph.prefetch_issuer: of the backward `lookahead` places later on its rank; the first
+        action, of every backward up to there)."""
+        for use, chunk in self.issue_weights.get(i, ()):
+            if use not in self.weights_back:
+                self.weights_back[use] = self.env.event()
+                self.env.process(self._fetch_weights(use, chunk, rank))
         for b in self.issues.get(i, ()):
             if b not in self.prefetched:
                 self.prefetched[b] = self.env.event()
@@ -389,7 +427,7 @@ class _StepSimulation:
 
     def _rank_process(self, rank: int):
         env, deps, end, arrive, acts = self.env, self.deps, self.end, self.arrive, self.actions
-        offloads = self.offloads
+        offloads, copying = self.offloads, self.copying
         for i in self.rank_slices[rank]:
             ready = produced = env.now  # produced: when the rank is free and every input has been computed
             for j, via in deps[i]:
@@ -407,12 +445,12 @@ class _StepSimulation:
                 self.p2p_wait[rank] += ready - produced
             kind = acts[i].kind
             backward = kind in BACKWARD_KINDS
-            if offloads:
+            if copying:
                 forwards = self.rank_forwards[rank]
-                gate = self.copied[forwards[-2]] if kind is Kind.F and len(forwards) >= 2 else None
-                if backward and i not in self.prefetched:
+                gate = self.copied[forwards[-2]] if offloads and kind is Kind.F and len(forwards) >= 2 else None
+                if offloads and backward and i not in self.prefetched:
                     self._issue_prefetches(rank, self.issuer[i])
-                for event in (gate, self.prefetched.get(i) if backward else None):
+                for event in (gate, self.prefetched.get(i) if backward else None, self.weights_back.get(i)):
                     if event is not None:
                         yield from self._wait(event, rank, ready)
                         ready = max(ready, env.now)
@@ -439,6 +477,9 @@ class _StepSimulation:
             self.progress[rank] += 1
             self.finished.append(i)
             self._finish(i, rank)
+            for chunk in self.release_weights.get(i, ()):
+                self.away[rank] += self.weight_bytes[chunk]
+                self._record(rank, env.now)
             if offloads and kind is Kind.F:
                 self.rank_forwards[rank].append(i)
                 env.process(self._offload(i, rank))
@@ -500,9 +541,9 @@ class _StepSimulation:
                 for r, stream, what, i, stage, start, end in self.copy_log
             ],
             peak_at=[
-                PeakMoment(r, at, during, self.static[r], live if during != "optimizer step" else 0.0,
+                PeakMoment(r, at, during, static, live if during != "optimizer step" else 0.0,
                            self.step_transient[r] if during == "optimizer step" else 0.0)
-                for r, (at, during, live) in enumerate(self.peak_moment)
+                for r, (at, during, live, static) in enumerate(self.peak_moment)
             ],
         )
 

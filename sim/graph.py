@@ -11,6 +11,8 @@ activation; B or I (s, mb) consumes its own F(s, mb) and the input gradient of t
     side_chains     work that follows an action off the compute stream, task after task on a copy engine or
                     the host (today the optimizer step's copies); the engine runs them, the graph adds them.
     prefetch_issuer which action's start issues each backward's prefetch (the offload lookahead).
+    weight_windows  when a chunk's working weights may leave HBM (between uses further apart than the
+                    lookahead, and across the step boundary) and which action's start fetches them back.
     StepGraph       the structure timed: nodes with durations, edges u -> v meaning start(v) >= finish(u) +
                     delay, as arrays. Node kinds are compute actions, link transfers and copy-engine copies
                     (activation offload / prefetch, the optimizer step's copies). The freeze LP
@@ -38,7 +40,7 @@ from sim.costs import CostTable
 from sim.ir import BACKWARD_KINDS, GRADIENT_KINDS, Action, Kind, Schedule
 from sim.memory_plan import MemoryPlan
 
-CopyItem = tuple[str, "Action | int"]  # ("offload", F) | ("prefetch", B/I) | ("step", chunk)
+CopyItem = tuple[str, "Action | int"]  # ("offload", F) | ("prefetch", B/I) | ("weights", use) | ("step", chunk)
 CopyOrder = dict[tuple[int, str], list[CopyItem]]  # (rank, "d2h" | "h2d") -> items in grant order
 
 
@@ -50,6 +52,7 @@ class NodeKind(IntEnum):
     STEP_D2H = 4  # the optimizer step with states on the host: gradients out
     STEP_HOST = 5  # the host's optimizer work
     STEP_H2D = 6  # updated weights back
+    WEIGHT_PREFETCH = 7  # a chunk's bf16 weights back, host -> device, before their next use (weight offload)
 
 
 # ---- the rule ----------------------------------------------------------------------------------------------
@@ -326,6 +329,8 @@ def add_copies(g: GraphBuilder, mem: MemoryPlan, copies: CopyOrder) -> None:
     prefetch issue points (sim/engine.py's stream semantics)."""
     if mem.offloads:
         add_activation_copies(g, mem)
+    if mem.offloads_weights:
+        add_weight_prefetches(g, mem)
     if mem.has_step_copies:
         add_step_copies(g, mem)
     for (_rank, stream), items in copies.items():
@@ -333,7 +338,8 @@ def add_copies(g: GraphBuilder, mem: MemoryPlan, copies: CopyOrder) -> None:
         for u, v in itertools.pairwise(chain):
             g.add_edge(u, v)
     if mem.offloads:
-        add_offload_gates(g, mem.prefetch_lookahead)
+        add_offload_gates(g)
+    add_issue_edges(g, mem)
 
 
 def add_activation_copies(g: GraphBuilder, mem: MemoryPlan) -> None:
@@ -403,20 +409,81 @@ def prefetch_issuer(schedule: Schedule, lookahead: int) -> dict[int, int]:
     return issuer
 
 
-def add_offload_gates(g: GraphBuilder, lookahead: int) -> None:
-    """F_j waits for the offload of F_(j-2) (two pinned buffers); a prefetch starts no earlier than its
-    issuer starts, i.e. after every in-edge of the issuer (added last, so complete)."""
+def add_offload_gates(g: GraphBuilder) -> None:
+    """F_j waits for the offload of F_(j-2) (two pinned buffers)."""
     st = g.structure
     for r in range(g.schedule.num_ranks):
         forwards = st.forwards(r)
         for j in range(2, len(forwards)):
             g.add_edge(g.keys[("offload", st.actions[forwards[j - 2]])], forwards[j])
-    issue = []
-    for b, ahead in prefetch_issuer(g.schedule, lookahead).items():
-        q = g.keys[("prefetch", st.actions[b])]
-        issue += [(g.u[k], q, g.delay[k]) for k in g.in_edges[ahead]]
+
+
+def add_issue_edges(g: GraphBuilder, mem: MemoryPlan) -> None:
+    """A prefetch (activations or weights) starts no earlier than its issuer starts, i.e. after every in-edge
+    of the issuer (added last, so complete)."""
+    st = g.structure
+    pairs: list[tuple[int, int]] = []  # (issuer, prefetch node)
+    if mem.offloads:
+        pairs += [(ahead, g.keys[("prefetch", st.actions[b])])
+                  for b, ahead in prefetch_issuer(g.schedule, mem.prefetch_lookahead).items()]
+    if mem.offloads_weights:
+        pairs += [(w.issuer, g.keys[("weights", st.actions[w.next_use])])
+                  for w in weight_windows(g.schedule, mem.prefetch_lookahead, mem.weight_offload_bytes > 0)
+                  if w.next_use >= 0]
+    issue = [(g.u[k], q, g.delay[k]) for ahead, q in pairs for k in g.in_edges[ahead]]
     for u, v, delay in issue:
         g.add_edge(u, v, delay)
+
+
+# ---- weight offload: a chunk's working weights leave HBM while the chunk is idle -----------------------------
+class WeightWindow(NamedTuple):
+    """One stretch in which chunk `chunk`'s bf16 weights are off HBM. They leave when `release_after` ends
+    (-1: they start the step on the host) and come back on the h2d copy engine, issued when `issuer` starts,
+    before `next_use` (-1: not needed again this step)."""
+
+    chunk: int
+    release_after: int
+    next_use: int
+    issuer: int
+
+
+def weight_windows(schedule: Schedule, lookahead: int, chunks: np.ndarray | None = None) -> list[WeightWindow]:
+    """The windows of every chunk (`chunks`: a per-chunk mask, default all), nodes in StepStructure order.
+
+    A chunk uses its weights in every one of its actions (F, B, I; W too: its gradients accumulate next to
+    them). Between two uses at positions k1 < k2 of the rank's order the weights may leave when k2 - k1 >
+    lookahead + 1: the prefetch is issued `lookahead` actions ahead of k2, as an activation prefetch is, and
+    at least one action runs without them. Across the step boundary they always may: released after the last
+    use, and, when the first use is more than `lookahead` actions in, absent at the step's start (the host
+    holds the current copy: a host optimizer wrote it there, or the copy after the update refreshed it)."""
+    st = step_structure(schedule)
+    windows: list[WeightWindow] = []
+    for r in range(schedule.num_ranks):
+        nodes = st.rank_nodes(r)
+        uses: dict[int, list[int]] = defaultdict(list)  # chunk -> positions of its actions
+        for pos, i in enumerate(nodes):
+            uses[st.actions[i].stage].append(pos)
+        for c, ks in sorted(uses.items()):
+            if chunks is not None and not chunks[c]:
+                continue
+            if ks[0] > lookahead:
+                windows.append(WeightWindow(c, -1, nodes[ks[0]], nodes[ks[0] - lookahead]))
+            for k1, k2 in itertools.pairwise(ks):
+                if k2 - k1 > lookahead + 1:
+                    windows.append(WeightWindow(c, nodes[k1], nodes[k2], nodes[k2 - lookahead]))
+            windows.append(WeightWindow(c, nodes[ks[-1]], -1, -1))
+    return windows
+
+
+def add_weight_prefetches(g: GraphBuilder, mem: MemoryPlan) -> None:
+    """A weight prefetch node before every next use of an offloading chunk's weights."""
+    st = g.structure
+    for w in weight_windows(g.schedule, mem.prefetch_lookahead, mem.weight_offload_bytes > 0):
+        if w.next_use >= 0:
+            use = st.actions[w.next_use]
+            q = g.add_node(NodeKind.WEIGHT_PREFETCH, ("weights", use),
+                           mem.weight_offload_bytes[w.chunk] / mem.host_link_bps)
+            g.add_edge(q, w.next_use)
 
 
 def build_step_graph(

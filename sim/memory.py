@@ -12,11 +12,14 @@ A `MemoryPlan` holds per-chunk arrays the engine consumes. Recomputation policie
 
 Offload: a share of each kept activation goes to DRAM (or NVMe) after its forward and is prefetched before
 its backward; model states (optimizer m/v, fp32 master weights, fp32 gradients) can live off HBM, with the
-optimizer step's copies run on the copy engines after each chunk's last backward (docs/memory.md).
+optimizer step's copies run on the copy engines after each chunk's last backward (docs/memory.md). A
+chunk's bf16 working weights can leave HBM while the chunk is idle (`with_weight_offload`, the windows of
+sim.graph.weight_windows) and come back ahead of their next use.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -29,7 +32,7 @@ from sim.ir import BACKWARD_KINDS, Kind, Schedule
 from sim.memory_plan import MemoryPlan, keep_everything, or_zeros
 
 __all__ = ["GIB", "HOST_ADAM_BYTES_PER_PARAM", "RECOMPUTE", "MemoryPlan", "activation_arrays", "build_memory_plan",
-           "keep_everything", "with_states"]
+           "keep_everything", "weight_offload_mask", "with_states", "with_weight_offload"]
 
 GIB = 2**30
 # Bytes of host memory traffic per parameter for one fp32 Adam step on the host: read the gradient (4), read
@@ -142,7 +145,7 @@ def build_memory_plan(sc: Scenario, costs: CostTable, schedule: Schedule) -> Mem
         "chronos:full" if nm == "chronos" and full[c] else ("chronos:none" if nm == "chronos" else nm)
         for c, nm in enumerate(names)
     )
-    return with_states(
+    plan = with_states(
         sc,
         costs,
         MemoryPlan(
@@ -155,6 +158,42 @@ def build_memory_plan(sc: Scenario, costs: CostTable, schedule: Schedule) -> Mem
             policy=policy,
         ),
     )
+    return with_weight_offload(plan, costs, weight_offload_mask(sc, n), np.full(n, mem.optimizer != "hbm"))
+
+
+def weight_offload_mask(sc: Scenario, n: int) -> np.ndarray:
+    """Per chunk, whether memory.offload_weights offloads its weights ("auto" is the planner's to decide)."""
+    value = sc.memory.offload_weights
+    if isinstance(value, list):
+        return np.asarray(value, bool)
+    return np.full(n, value == "all")
+
+
+def with_weight_offload(plan: MemoryPlan, costs: CostTable, chunks: np.ndarray, host_optimizer: np.ndarray
+                        ) -> MemoryPlan:
+    """`plan` with the bf16 weights of `chunks` off HBM in their idle windows (sim.graph.weight_windows).
+
+    Leaving HBM costs no copy: the host keeps a current copy. With the chunk's optimizer on the host the
+    update writes it there, so the step's weights-back copy is dropped and the next step's first use fetches
+    them instead; with the optimizer on the GPU one copy out per step after the update refreshes it."""
+    if not chunks.any():
+        return plan
+    weights = _detail(costs).state_bytes.get("weights", np.zeros(costs.num_chunks))
+    w = np.where(chunks, weights, 0.0)
+    host = np.where(host_optimizer, w, 0.0)
+    dram = plan.static_host_bytes.get("dram", np.zeros(costs.num_chunks))
+    return dataclasses.replace(
+        plan,
+        weight_offload_bytes=w,
+        static_host_bytes={**plan.static_host_bytes, "dram": dram + w},  # the pinned host copy
+        step_h2d_bytes=np.maximum(or_zeros_like(plan.step_h2d_bytes, w) - host, 0.0),
+        step_d2h_bytes=or_zeros_like(plan.step_d2h_bytes, w) + (w - host),
+        policy=tuple(f"{p}, weights offloaded" if chunks[c] else p for c, p in enumerate(plan.policy)),
+    )
+
+
+def or_zeros_like(values: np.ndarray, like: np.ndarray) -> np.ndarray:
+    return values if len(values) == len(like) else np.zeros_like(like)
 
 
 def with_states(sc: Scenario, costs: CostTable, plan: MemoryPlan) -> MemoryPlan:

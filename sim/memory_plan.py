@@ -29,10 +29,16 @@ class MemoryPlan:
     nvme_bps: float = 3e9
     stash_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per chunk: held from I end to W end
     step_transient_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per chunk, during the step
+    # per chunk: bf16 working weights that leave HBM in the chunk's idle windows (sim.graph.weight_windows); 0 keeps
+    weight_offload_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def offloads(self) -> bool:
         return bool(self.offload_bytes.any())
+
+    @property
+    def offloads_weights(self) -> bool:
+        return bool(self.weight_offload_bytes.any())
 
     @property
     def has_step_copies(self) -> bool:
@@ -40,8 +46,9 @@ class MemoryPlan:
 
     @property
     def uses_copy_engines(self) -> bool:
-        """Activation offload or the optimizer step's copies: the step's timing depends on the copy engines."""
-        return self.offloads or self.has_step_copies
+        """Activation or weight offload or the optimizer step's copies: the step's timing depends on the copy
+        engines."""
+        return self.offloads or self.has_step_copies or self.offloads_weights
 
 
 def keep_everything(costs: CostTable) -> MemoryPlan:

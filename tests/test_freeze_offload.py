@@ -27,6 +27,8 @@ MEMORY_CASES = {
     },
     "states": STATES_OFF,
     "both-recompute": {"memory.offload_activations": 0.3, "memory.recompute": "chronos", **STATES_OFF},
+    "weights": {"memory.offload_weights": "all"},
+    "weights-activations-states": {"memory.offload_weights": "all", "memory.offload_activations": 0.5, **STATES_OFF},
 }
 SCHEDULES = {"1f1b": 1, "gpipe": 1, "interleaved-1f1b": 2, "zb-h1": 1, "zbv": 2, "chronos": 2}
 
