@@ -7,6 +7,8 @@ f_c forward seconds; A_c the chunk's activation bytes; m microbatches.
 
     variables   k_c, d_c, n_c ∈ {0..L_c}  layers recomputed / offloaded to DRAM / offloaded to NVMe
                 z_c, t_c, y_r ∈ {0, 1}     chunk recomputes at all / chunk offloads to NVMe / rank offloads states
+                o_c ∈ {0, 1}               chunk offloads its bf16 weights W_c in its idle windows
+                                           (memory.offload_weights = "auto"; fixed by "all" or a list)
                 s_i >= 0 start times,  T makespan
     duration    D_i = w_i + f_c k_c for B/I of chunk c, else w_i
     minimise    T + ε Σ_c (f_c k_c m + x_c m)      (ε = 1e-6: prefer less work on ties; MIP gap 1%)
@@ -17,11 +19,14 @@ f_c forward seconds; A_c the chunk's activation bytes; m microbatches.
                 them resident (the current action's, the next `lookahead` backwards' (prefetched), the last two
                 forwards' (copies out may be unfinished)):
                   S_r - y_r H_r + Σ_c [N_kc (A_c - (a_c - q_c) k_c) - (N_kc - R_kc) a_c (d_c + n_c)]
-                  + a_c z_c [k is a B/I of c]  <=  capacity - margin
+                  + a_c z_c [k is a B/I of c] - Σ_c o_c W_c [k inside a weight window of c]  <=  capacity - margin
                 copies, FIFO per rank and direction, x_c = a_c (d_c / bw_link + n_c / bw_nvme) per microbatch:
                   e_j >= s_Fj + w_Fj + x_c,  e_j >= e_(j-1) + x_c,  s_F(j+1) >= e_(j-1)   (copy out, bounded)
                   p_b >= e_F(b) + x_c,  p_b >= s_(b - lookahead) + x_c,  p_b >= p_(b-1) + x_c,  s_b >= p_b
-                T >= s_last(c) + D_last(c) + y_r C_c         (the optimizer step's copies, chunk c on rank r)
+                weight prefetches in the same h2d chain (sim.graph.weight_windows), ω_c = W_c / bw_link:
+                  q_w >= s_issuer(w) + o_c ω_c,  q_w >= (previous h2d copy) + o_c ω_c,  s_use(w) >= q_w
+                T >= s_last(c) + D_last(c) + y_r C_c ± o_c ω_c   (the optimizer step's copies, chunk c on rank r;
+                     + a GPU optimizer's host-copy refresh, - a host optimizer's weights-back copy)
                 host: Σ_c N^max_c a_c d_c + y_r H_r <= DRAM,  Σ_c N^max_c a_c n_c <= NVMe
 
 With no plan fitting, the same constraints with `capacity` replaced by a variable P and minimise P give the
@@ -40,9 +45,17 @@ import numpy as np
 from sim.config import FreezeConfig, Scenario
 from sim.costs import CostTable, per_rank_sum
 from sim.engine import SimResult, simulate
-from sim.graph import prefetch_issuer, step_structure
+from sim.graph import prefetch_issuer, step_structure, weight_windows
 from sim.ir import BACKWARD_KINDS, Kind, Schedule
-from sim.memory import HOST_ADAM_BYTES_PER_PARAM, MemoryPlan, activation_arrays, keep_everything, with_states
+from sim.memory import (
+    HOST_ADAM_BYTES_PER_PARAM,
+    MemoryPlan,
+    activation_arrays,
+    keep_everything,
+    weight_offload_mask,
+    with_states,
+    with_weight_offload,
+)
 from solver.errors import InfeasibleError, SolverError, VerificationError
 from solver.freeze_dag import FreezeDag, build_freeze_dag
 from solver.highs import LinearProgram
@@ -65,16 +78,24 @@ class MemoryChoice:
     dram_layers: np.ndarray  # (chunks,)
     nvme_layers: np.ndarray  # (chunks,)
     states_on_host: np.ndarray  # (ranks,) bool
+    weights_offloaded: np.ndarray | None = None  # (chunks,) bool: bf16 weights off HBM in idle windows
+
+    @property
+    def weight_mask(self) -> np.ndarray:
+        n = len(self.recompute_layers)
+        return np.zeros(n, bool) if self.weights_offloaded is None else np.asarray(self.weights_offloaded, bool)
 
     def to_dict(self) -> dict[str, list]:
         return {"recompute_layers": [int(x) for x in self.recompute_layers],
                 "dram_layers": [int(x) for x in self.dram_layers], "nvme_layers": [int(x) for x in self.nvme_layers],
-                "states_on_host": [bool(x) for x in self.states_on_host]}
+                "states_on_host": [bool(x) for x in self.states_on_host],
+                "weights_offloaded": [bool(x) for x in self.weight_mask]}
 
     @classmethod
     def from_dict(cls, d: dict[str, list]) -> MemoryChoice:
         return cls(np.asarray(d["recompute_layers"], float), np.asarray(d["dram_layers"], float),
-                   np.asarray(d["nvme_layers"], float), np.asarray(d["states_on_host"], bool))
+                   np.asarray(d["nvme_layers"], float), np.asarray(d["states_on_host"], bool),
+                   np.asarray(d.get("weights_offloaded", [False] * len(d["recompute_layers"])), bool))
 
 
 @dataclass(frozen=True)
@@ -120,11 +141,26 @@ class _Positions:
     resident: np.ndarray  # (P, C)
     backward_chunk: np.ndarray  # (P,)
     max_inflight: np.ndarray  # (C,)
+    weights_away: np.ndarray  # (P, C): 1 where the position lies inside a weight window of the chunk
+
+
+def _away_positions(schedule: Schedule, lookahead: int) -> list[np.ndarray]:
+    """Per rank, (positions, C): 1 where an offloading chunk's weights are off HBM (sim.graph.weight_windows):
+    after the action that releases them, before the action that issues their prefetch."""
+    st = step_structure(schedule)
+    away = [np.zeros((len(r), schedule.num_stages)) for r in schedule.ranks]
+    for w in weight_windows(schedule, lookahead):
+        r = schedule.stage_to_rank[w.chunk]
+        first = 0 if w.release_after < 0 else w.release_after - st.rank_offsets[r] + 1
+        last = len(schedule.ranks[r]) if w.issuer < 0 else w.issuer - st.rank_offsets[r]
+        away[r][first:last, w.chunk] = 1.0
+    return away
 
 
 def _positions(schedule: Schedule, lookahead: int) -> _Positions:
     n_chunks = schedule.num_stages
-    rows_rank, rows_n, rows_r, rows_b = [], [], [], []
+    away = _away_positions(schedule, lookahead)
+    rows_rank, rows_n, rows_r, rows_b, rows_w = [], [], [], [], []
     for r, actions in enumerate(schedule.ranks):
         inflight: dict[tuple[int, int], None] = {}
         recent_f: list[tuple[int, int]] = []
@@ -148,18 +184,20 @@ def _positions(schedule: Schedule, lookahead: int) -> _Positions:
             rows_n.append(n_vec)
             rows_r.append(r_vec)
             rows_b.append(a.stage if a.kind in BACKWARD_KINDS else -1)
+            rows_w.append(away[r][k])
             if a.kind in BACKWARD_KINDS:
                 inflight.pop(key, None)
             if a.kind is Kind.F:
                 recent_f.append(key)
     inflight_arr = np.asarray(rows_n)
     # identical rows constrain nothing new
+    away_arr = np.asarray(rows_w)
     keys = np.concatenate([np.asarray(rows_rank)[:, None], inflight_arr, np.asarray(rows_r),
-                           np.asarray(rows_b)[:, None]], axis=1)
+                           np.asarray(rows_b)[:, None], away_arr], axis=1)
     _, keep = np.unique(keys, axis=0, return_index=True)
     keep.sort()
     return _Positions(np.asarray(rows_rank)[keep], inflight_arr[keep], np.asarray(rows_r)[keep],
-                      np.asarray(rows_b)[keep], inflight_arr.max(axis=0))
+                      np.asarray(rows_b)[keep], inflight_arr.max(axis=0), away_arr[keep])
 
 
 def plan_memory(
@@ -213,6 +251,7 @@ class _Columns:
     recomputes: np.ndarray  # z_c
     to_nvme: np.ndarray  # t_c
     states_on_host: np.ndarray  # y_r
+    weights: np.ndarray  # o_c
     start: np.ndarray  # s_i, one per node of the step graph
     makespan: int  # T
     peak: int  # P
@@ -228,6 +267,8 @@ class _Chunks:
     fwd: np.ndarray  # f_c, seconds per recomputed layer
     copy_dram: np.ndarray  # seconds per DRAM-offloaded layer (slowdown included)
     copy_nvme: np.ndarray  # seconds per NVMe-offloaded layer
+    weight_bytes: np.ndarray  # W_c, the bf16 weights
+    weight_copy: np.ndarray  # ω_c, seconds to bring them back (slowdown included)
 
 
 def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan, lookahead: int,
@@ -236,23 +277,27 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     d = costs.detail
     n_c, n_r = costs.num_chunks, schedule.num_ranks
     dag = build_freeze_dag(schedule, costs, FreezeConfig(cap=0.0))
+    weights = d.state_bytes.get("weights", np.zeros(n_c))
     ch = _Chunks(d.layers.astype(float), d.layer_activation_bytes, d.layer_activation_bytes - d.layer_checkpoint_bytes,
                  d.layer_forward_s, d.layer_activation_bytes * slowdown / base.host_link_bps,
-                 d.layer_activation_bytes * slowdown / base.nvme_bps)
+                 d.layer_activation_bytes * slowdown / base.nvme_bps, weights, weights * slowdown / base.host_link_bps)
+    mode = sc.memory.offload_weights
+    fixed = weight_offload_mask(sc, n_c).astype(float)
+    w_lo, w_hi = (np.zeros(n_c), np.ones(n_c)) if mode == "auto" else (fixed, fixed)
     lp = LinearProgram("memory MILP", {"mip_rel_gap": 1e-2, "time_limit": 60.0})
     col = _Columns(
         lp.add_variables(n_c, 0, ch.layers), lp.add_variables(n_c, 0, ch.layers), lp.add_variables(n_c, 0, ch.layers),
         lp.add_variables(n_c, 0, 1), lp.add_variables(n_c, 0, 1),
-        lp.add_variables(n_r, 0, 1 if allow_state_offload else 0), lp.add_variables(dag.n_nodes, 0, np.inf),
-        lp.add_variables(1, 0, np.inf)[0], lp.add_variables(1, 0, np.inf)[0],
+        lp.add_variables(n_r, 0, 1 if allow_state_offload else 0), lp.add_variables(n_c, w_lo, w_hi),
+        lp.add_variables(dag.n_nodes, 0, np.inf), lp.add_variables(1, 0, np.inf)[0], lp.add_variables(1, 0, np.inf)[0],
     )
     lp.set_integer(np.concatenate([col.recompute, col.dram, col.nvme, col.recomputes, col.to_nvme,
-                                   col.states_on_host]))
+                                   col.states_on_host, col.weights]))
     rows = _Rows()
     _layer_choice_rows(rows, col, ch)
     _precedence_rows(rows, col, ch, dag)
-    _copy_rows(rows, lp, col, ch, dag, lookahead)
-    _step_copy_rows(rows, col, ch, dag, _step_copy_s(costs, base))
+    _copy_rows(rows, lp, col, ch, dag, lookahead, w_hi.any())
+    _step_copy_rows(rows, col, ch, dag, _step_copy_s(costs, base), sc.memory.optimizer != "hbm")
     pos = _positions(schedule, lookahead)
     _hbm_rows(rows, col, ch, pos, base, costs, schedule, _host_state_bytes(sc, costs))
     _host_rows(rows, col, ch, pos, costs, schedule, _host_state_bytes(sc, costs))
@@ -261,8 +306,9 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     m = schedule.num_microbatches
     if limit is not None:
         lp.set_upper_bound(col.peak, max(limit, 0.0))
-        obj_cols = np.concatenate([[col.makespan], col.recompute, col.dram, col.nvme])
-        obj = np.concatenate([[1.0], EPS * m * ch.fwd, EPS * m * ch.copy_dram, EPS * m * ch.copy_nvme])
+        obj_cols = np.concatenate([[col.makespan], col.recompute, col.dram, col.nvme, col.weights])
+        obj = np.concatenate([[1.0], EPS * m * ch.fwd, EPS * m * ch.copy_dram, EPS * m * ch.copy_nvme,
+                              EPS * m * ch.weight_copy])
         what = "fitting the step into HBM"
     else:
         obj_cols = np.concatenate([[col.peak], [col.makespan]])
@@ -278,7 +324,7 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
         ) from None
     x = sol.x
     choice = MemoryChoice(np.rint(x[col.recompute]), np.rint(x[col.dram]), np.rint(x[col.nvme]),
-                          np.rint(x[col.states_on_host]).astype(bool))
+                          np.rint(x[col.states_on_host]).astype(bool), np.rint(x[col.weights]).astype(bool))
     return MilpSolution(choice, float(x[col.makespan]), float(x[col.peak]), sol.wall_s)
 
 
@@ -311,10 +357,13 @@ def _precedence_rows(rows: _Rows, col: _Columns, ch: _Chunks, dag: FreezeDag) ->
         rows.add(w[i], np.inf, [col.makespan, s[i], *cols], [1, -1, *[-x for x in vals]])
 
 
-def _copy_rows(rows: _Rows, lp: LinearProgram, col: _Columns, ch: _Chunks, dag: FreezeDag, lookahead: int) -> None:
+def _copy_rows(rows: _Rows, lp: LinearProgram, col: _Columns, ch: _Chunks, dag: FreezeDag, lookahead: int,
+               weights: bool) -> None:
     """Offload timing with the engine's stream semantics, X_c = a_c (d_c / link + n_c / nvme) per microbatch:
     copies out run FIFO after each forward (e_j), a forward waits for the copy two forwards back, prefetches
-    (p_b) run FIFO from the start of their issuer (sim.graph.prefetch_issuer), after the copy out."""
+    (p_b) run FIFO from the start of their issuer (sim.graph.prefetch_issuer), after the copy out. With
+    `weights`, weight prefetches (o_c ω_c each, sim.graph.weight_windows) join the same h2d chain, ahead of
+    the activation prefetches their issuer also issues (the engine's order)."""
     st = step_structure(dag.schedule)
     s, w, dv, nv = col.start, dag.w_max, col.dram, col.nvme
     xd, xn = ch.copy_dram, ch.copy_nvme
@@ -328,27 +377,39 @@ def _copy_rows(rows: _Rows, lp: LinearProgram, col: _Columns, ch: _Chunks, dag: 
                 rows.add(0, np.inf, [e[i], e[chain[j - 1]], dv[c], nv[c]], [1, -1, -xd[c], -xn[c]])
             if j >= 2:
                 rows.add(0, np.inf, [s[i], e[chain[j - 2]]], [1, -1])
+    h2d = [(ahead, 1, ib, dag.actions[ib].stage) for ib, ahead in prefetch_issuer(dag.schedule, lookahead).items()]
+    if weights:
+        h2d += [(w.issuer, 0, w.next_use, w.chunk) for w in weight_windows(dag.schedule, lookahead) if w.next_use >= 0]
     prev: dict[int, int] = {}  # rank -> its previous prefetch's column
-    for ib, ahead in prefetch_issuer(dag.schedule, lookahead).items():
-        c, r = dag.actions[ib].stage, st.rank_of[ib]
+    for ahead, activations, ib, c in sorted(h2d):
+        r = st.rank_of[ib]
         pb = lp.add_variables(1, 0, np.inf)[0]
-        rows.add(0, np.inf, [pb, e[st.forward_of[ib]], dv[c], nv[c]], [1, -1, -xd[c], -xn[c]])
-        rows.add(0, np.inf, [pb, s[ahead], dv[c], nv[c]], [1, -1, -xd[c], -xn[c]])
+        if activations:
+            cols, vals = [dv[c], nv[c]], [-xd[c], -xn[c]]
+            rows.add(0, np.inf, [pb, e[st.forward_of[ib]], *cols], [1, -1, *vals])
+        else:
+            cols, vals = [col.weights[c]], [-ch.weight_copy[c]]
+        rows.add(0, np.inf, [pb, s[ahead], *cols], [1, -1, *vals])
         if r in prev:
-            rows.add(0, np.inf, [pb, prev[r], dv[c], nv[c]], [1, -1, -xd[c], -xn[c]])
+            rows.add(0, np.inf, [pb, prev[r], *cols], [1, -1, *vals])
         rows.add(0, np.inf, [s[ib], pb], [1, -1])
         prev[r] = pb
     for c in e.values():  # the last copies out also end within the step
         rows.add(0, np.inf, [col.makespan, c], [1, -1])
 
 
-def _step_copy_rows(rows: _Rows, col: _Columns, ch: _Chunks, dag: FreezeDag, step_s: np.ndarray) -> None:
-    """T >= end of chunk c's last B/W + y_r C_c: the optimizer step's copies when rank r's states are on host."""
+def _step_copy_rows(rows: _Rows, col: _Columns, ch: _Chunks, dag: FreezeDag, step_s: np.ndarray,
+                    host_optimizer: bool) -> None:
+    """T >= end of chunk c's last B/W + y_r C_c: the optimizer step's copies when rank r's states are on host;
+    ± o_c ω_c: offloaded weights add a GPU optimizer's copy out (refreshing the host copy) or drop a host
+    optimizer's weights-back copy. (With y_r = 1 chosen here the refresh is counted though it is not made:
+    an overestimate of 2 ω_c, tens of ms, well inside the re-simulation's tolerance.)"""
     s2r = dag.schedule.stage_to_rank
+    sign = -1.0 if host_optimizer else 1.0
     for c, i in step_structure(dag.schedule).last_backward.items():
         cols, vals = _end_terms(col, ch, dag, i)
-        rows.add(dag.w_max[i], np.inf, [col.makespan, col.start[i], col.states_on_host[s2r[c]], *cols],
-                 [1, -1, -step_s[c], *[-x for x in vals]])
+        rows.add(dag.w_max[i], np.inf, [col.makespan, col.start[i], col.states_on_host[s2r[c]], col.weights[c], *cols],
+                 [1, -1, -step_s[c], -sign * ch.weight_copy[c], *[-x for x in vals]])
 
 
 def _hbm_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, base: MemoryPlan, costs: CostTable,
@@ -370,6 +431,9 @@ def _hbm_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, base: Me
         if bc >= 0:
             cols.append(col.recomputes[bc])
             vals.append(ch.act[bc])
+        for c in np.flatnonzero(pos.weights_away[p]):
+            cols.append(col.weights[c])
+            vals.append(-ch.weight_bytes[c])
         rows.add(-np.inf, -const, cols, vals)
 
 
@@ -381,7 +445,8 @@ def _host_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, costs: 
     for r in range(n_r):
         chunks_r = np.flatnonzero(s2r == r)
         per = pos.max_inflight[chunks_r] * ch.act[chunks_r]
-        rows.add(-np.inf, costs.detail.dram_bytes, [*col.dram[chunks_r], col.states_on_host[r]], [*per, hs_r[r]])
+        rows.add(-np.inf, costs.detail.dram_bytes, [*col.dram[chunks_r], col.states_on_host[r], *col.weights[chunks_r]],
+                 [*per, hs_r[r], *ch.weight_bytes[chunks_r]])
         rows.add(-np.inf, costs.detail.nvme_bytes, [*col.nvme[chunks_r]], [*per])
 
 
@@ -422,7 +487,7 @@ def plan_from_choice(sc: Scenario, costs: CostTable, schedule: Schedule, base: M
         + (", states on host" if chunk_states[c] else "")
         for c in range(costs.num_chunks)
     )
-    return MemoryPlan(
+    plan = MemoryPlan(
         kept_bytes=kept,
         transient_bytes=transient,
         recompute_s=extra,
@@ -440,6 +505,8 @@ def plan_from_choice(sc: Scenario, costs: CostTable, schedule: Schedule, base: M
         host_link_bps=base.host_link_bps,
         nvme_bps=base.nvme_bps,
     )
+    host_optimizer = chunk_states | (sc.memory.optimizer != "hbm")
+    return with_weight_offload(plan, costs, choice.weight_mask, host_optimizer)
 
 
 class _Rows:

@@ -76,3 +76,24 @@ def test_host_optimizer_keeps_the_weights_there():
 def test_auto_needs_the_planner():
     with pytest.raises(ScenarioError, match=r"memory\.offload_weights"):
         load_scenario(SEVENTY, {"memory.offload_weights": "auto"})
+
+
+def test_memory_milp_offloads_weights_when_it_pays():
+    """HBM set half of chunk 0's weights below the keep-everything peak: offloading those weights (hidden
+    behind compute) is the cheapest way to fit, cheaper than recomputing or offloading any activation; with
+    room to spare the planner offloads nothing."""
+    from solver.memory_milp import plan_memory
+
+    *_, kept = _run(ONE_MB)
+    _, chunk0_plan, chunk0 = _run({**ONE_MB, "memory.offload_weights": [c == 0 for c in range(16)]})
+    margin = load_scenario(SEVENTY, ONE_MB).memory.hbm_margin_gib
+    auto = {**ONE_MB, "memory.plan": True, "memory.offload_weights": "auto"}
+    for limit, offloads in ((kept.peak_hbm_bytes.max() * 1.01, False),
+                            (kept.peak_hbm_bytes.max() - 0.5 * chunk0_plan.weight_offload_bytes[0], True)):
+        sc = load_scenario(SEVENTY, {**auto, "device.hbm_gib": limit / 2**30 + margin})
+        planned = plan_memory(sc, build_cost_table(sc), resolve_schedule(sc))
+        assert planned.choice.weight_mask.tolist() == [offloads] + [False] * 15
+        assert not planned.recompute_layers.any() and not planned.dram_layers.any()
+        expected = chunk0 if offloads else kept
+        assert planned.simulated.makespan_s == pytest.approx(expected.makespan_s, rel=1e-12)
+        assert planned.simulated.peak_hbm_bytes.max() <= limit
