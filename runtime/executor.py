@@ -31,6 +31,7 @@ from runtime.model import cross_entropy
 from runtime.p2p import P2P, Message, input_message
 from runtime.split_backward import WeightGradStore
 from runtime.streams import CopyStream
+from runtime.weight_offload import WeightOffload
 from sim.ir import Action, Kind, Schedule
 
 LOOKAHEAD = 2  # receives posted for this many upcoming actions
@@ -106,13 +107,15 @@ class PipelineExecutor:
     def __init__(self, schedule: Schedule, rank: int, chunks: Mapping[int, nn.Module], p2p: P2P,
                  device: torch.device, offload_share: float | Mapping[int, float] = 0.0,
                  profile_backward: bool = False,
-                 autocast_dtype: torch.dtype | None = None, now: Callable[[], float] = time.perf_counter):
+                 autocast_dtype: torch.dtype | None = None, now: Callable[[], float] = time.perf_counter,
+                 offload_weights: Sequence[bool] | None = None, weight_lookahead: int = PREFETCH_BACKWARDS):
         """`chunks` maps each stage this rank holds to its module; `profile_backward` runs every B as I then
         W back to back and reports both (pipeplan profile); `offload_share` of saved activations goes to host
         (one share, or one per stage);
         `autocast_dtype` runs the forwards in bf16/fp16 autocast, on the CPU and CUDA alike (the backward
         replays the forward's casts) — the fp32 weights are the master copy, gradients accumulate in fp32,
-        and the activations that cross stages are fp32 (residual adds promote)."""
+        and the activations that cross stages are fp32 (residual adds promote). `offload_weights` (per chunk)
+        moves the chunks' parameters to host memory in their idle windows (runtime/weight_offload.py)."""
         self.schedule, self.rank, self.chunks, self.p2p, self.device = schedule, rank, dict(chunks), p2p, device
         self.actions = schedule.ranks[rank]
         self.num_stages, self.m = schedule.num_stages, schedule.num_microbatches
@@ -125,6 +128,8 @@ class PipelineExecutor:
         offloads = any(x > 0 for x in self.offload_share.values())
         self.offload_stream = CopyStream(device) if offloads else None
         self.autocast_dtype = autocast_dtype
+        self.weights = WeightOffload.build(schedule, rank, self.chunks, offload_weights, weight_lookahead, device) \
+            if offload_weights is not None else None
 
     # ---- one step ------------------------------------------------------------------------------
     def run_step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
@@ -148,7 +153,12 @@ class PipelineExecutor:
         trace = StepTrace()
         self.clock.start()
         self.memory_marks.append((self.clock.t0, 0, 0))
+        if self.weights is not None:
+            self.weights.begin_step()
         for i, action in enumerate(self.actions):
+            if self.weights is not None:
+                self.weights.before(i)
+                self.param_ptrs[action.stage] = param_storages(self.chunks[action.stage])  # they may have moved
             for ahead in self.actions[i + 1 : i + 1 + LOOKAHEAD]:
                 msg = input_message(ahead, self.num_stages)
                 if msg is not None and self.p2p.is_remote(msg):
@@ -161,6 +171,10 @@ class PipelineExecutor:
                 self._weight(action)
             else:
                 self._backward(action)
+            if self.weights is not None:
+                self.weights.after(i)
+        if self.weights is not None:
+            self.weights.end_step()
         self.p2p.finish()
         trace.actions = [(a, self.clock.seconds(s), self.clock.seconds(e)) for a, s, e in self.marks]
         trace.split = [(a, self.clock.seconds(s), self.clock.seconds(e)) for a, s, e in self.split_marks]

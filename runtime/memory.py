@@ -12,6 +12,7 @@ runtime recomputes:
     planned (MILP)        checkpoint the chunk's first k decoder layers, offload the planned share of the
                           chunk's saved bytes (its DRAM and NVMe layers; both go to host memory here), and
                           keep the optimizer state on the host on the ranks the plan says
+    offload_weights       the chunk's parameters leave the device between uses (runtime/weight_offload.py)
 
 `SavedTensors` is a `saved_tensors_hooks` context around each forward. It counts the bytes autograd saves
 for the backward (each storage once; parameters are not activations): the CPU's measure of a chunk's
@@ -60,6 +61,11 @@ class ChunkMemory:
 class RunMemory:
     chunks: list[ChunkMemory]  # per chunk
     states_on_host: list[bool]  # per rank: optimizer state and fp32 master weights in host memory
+    weights_offloaded: list[bool] | None = None  # per chunk: parameters off the device between uses
+
+    @property
+    def offloads_weights(self) -> bool:
+        return bool(self.weights_offloaded) and any(self.weights_offloaded)
 
     @property
     def labels(self) -> list[str]:
@@ -78,7 +84,7 @@ def run_memory(sc: Scenario, schedule: Schedule, choice: MemoryChoice | None = N
     plan = resolved.plan
     if resolved.choice is None:
         chunks = [ChunkMemory(p.removeprefix("chronos:"), mem.offload_activations, None, p) for p in plan.policy]
-        return RunMemory(chunks, [mem.optimizer != "hbm"] * schedule.num_ranks)
+        return RunMemory(chunks, [mem.optimizer != "hbm"] * schedule.num_ranks, _weights(plan))
     k, layers = resolved.choice.recompute_layers, costs.detail.layers
     share = np.divide(plan.offload_bytes, plan.kept_bytes, out=np.zeros(len(layers)), where=plan.kept_bytes > 0)
     chunks = [
@@ -87,7 +93,12 @@ def run_memory(sc: Scenario, schedule: Schedule, choice: MemoryChoice | None = N
     ]
     on_host = resolved.choice.states_on_host
     states = [bool(x) for x in on_host] if mem.optimizer == "hbm" else [True] * schedule.num_ranks
-    return RunMemory(chunks, states)
+    return RunMemory(chunks, states, _weights(plan))
+
+
+def _weights(plan) -> list[bool]:
+    """Per chunk, whether the plan moves its weights off the device in their idle windows."""
+    return [bool(x) for x in plan.weight_offload_bytes] if len(plan.weight_offload_bytes) else []
 
 
 def apply_policy(chunk: nn.Module, policy: ChunkMemory | str) -> nn.Module:

@@ -97,3 +97,58 @@ def test_memory_milp_offloads_weights_when_it_pays():
         expected = chunk0 if offloads else kept
         assert planned.simulated.makespan_s == pytest.approx(expected.makespan_s, rel=1e-12)
         assert planned.simulated.peak_hbm_bytes.max() <= limit
+
+
+# ---- the runtime: parameters leave the device between uses, results bit for bit ----------------------------
+def _zbv_one_rank(offload_weights):
+    import torch
+
+    from runtime.executor import PipelineExecutor
+    from runtime.model import ModelArgs
+    from runtime.p2p import P2P
+    from runtime.stages import build_chunk
+    from sim.schedules import build_schedule
+    from tests.test_runtime_model import batches
+
+    args = ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab=256, seq_len=16)
+    cpu = torch.device("cpu")
+    sched = build_schedule("zbv", 1, 4, 2)  # one rank holding both chunks of the V
+    torch.manual_seed(0)
+    chunks = {s: build_chunk(args, s, 2, cpu) for s in range(2)}
+    p2p = P2P(sched, 0, (2, args.seq_len, args.dim), torch.float32, cpu)
+    ex = PipelineExecutor(sched, 0, chunks, p2p, cpu, offload_weights=offload_weights, weight_lookahead=1)
+    traces = [ex.run_step(batches(4, step)) for step in range(2)]  # two steps: the host copy is refreshed
+    grads = {(s, n): p.grad.clone() for s, c in chunks.items() for n, p in c.named_parameters()}
+    return sched, ex, traces, grads
+
+
+def test_runtime_weight_offload_is_bit_identical_and_follows_the_windows():
+    import torch
+
+    sched, _, plain_traces, plain_grads = _zbv_one_rank(None)
+    _, ex, traces, grads = _zbv_one_rank([True, True])
+    assert [t.losses for t in traces] == [t.losses for t in plain_traces]
+    assert grads.keys() == plain_grads.keys()
+    assert all(torch.equal(grads[k], plain_grads[k]) for k in grads)
+    # the executed events are the simulator's windows, step after step
+    windows = weight_windows(sched, 1)
+    expected = []
+    for w in windows:
+        expected.append(("release", w.release_after, w.chunk))  # -1: at the step's start
+        if w.next_use >= 0:
+            expected += [("prefetch", w.issuer, w.chunk), ("ready", w.next_use, w.chunk)]
+    restored = [("restore", -1, c) for c in sorted({w.chunk for w in windows})]
+    step_log = ex.weights.log[: len(ex.weights.log) // 2]
+    assert sorted(e for e in step_log if e[0] != "restore") == sorted(expected)
+    assert [e for e in step_log if e[0] == "restore"] == restored
+    assert step_log == ex.weights.log[len(ex.weights.log) // 2:]
+    # a chunk never runs while its weights are away
+    away = set()
+    for pos, a in enumerate(sched.ranks[0]):
+        for what, at, c in step_log:
+            if at == pos and what == "ready":
+                away.discard(c)
+        assert a.stage not in away
+        for what, at, c in step_log:
+            if at == pos and what == "release":
+                away.add(c)
