@@ -4,6 +4,12 @@ A policy is a schedule plus a memory treatment. `fits(layers)` simulates the ste
 policies, solves the memory MILP and re-simulates its plan) and checks peak HBM against capacity - margin on
 every rank. Depth is searched over multiples of stages * virtual_stages: doubling until a depth fails, then
 bisection (fitting is monotone in depth: every per-layer cost grows with it).
+
+The chronos policies are chosen jointly per depth (`Policy.joint`): the schedule's chunks per rank v and its
+admission cap (`chronos_variants`) with the policy's memory treatment, the fastest variant that fits winning.
+Variants are tried in order of their keep-everything speed, an upper bound on any memory treatment of the
+same order (recomputation and offload only add work and copies), and the search stops once the best found is
+at least the next bound: the MILP runs only for the variants that could still win.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from sim.config import Scenario, load_scenario
 from sim.costs import build_cost_table
 from sim.engine import SimResult, simulate
 from sim.errors import ScenarioError
+from sim.schedules.v_shape import chronos_plan, v_half_limit
 from sim.step import resolve_schedule
 from solver.memory_milp import MemoryInfeasibleError
 from solver.step import resolve_memory_plan
@@ -31,6 +38,7 @@ class Policy:
     schedule: str
     virtual_stages: int
     overrides: dict[str, Any] = field(default_factory=dict)
+    joint: bool = False  # v and the admission cap chosen per depth (chronos_variants), the fastest that fits
 
     @property
     def planner(self) -> bool:
@@ -55,9 +63,9 @@ POLICIES: dict[str, Policy] = _by_name(
         Policy("interleaved-1f1b", "interleaved-1f1b", 2),
         Policy("zbv", "zbv", 2),
         Policy("v-half", "v-half", 2),
-        Policy("chronos", "chronos", 2),
-        Policy("chronos+recomp", "chronos", 2, {"memory.recompute": "chronos"}),
-        Policy("chronos+recomp+offload", "chronos", 2, {"memory.plan": True}),
+        Policy("chronos", "chronos", 2, joint=True),
+        Policy("chronos+recomp", "chronos", 2, {"memory.recompute": "chronos"}, joint=True),
+        Policy("chronos+recomp+offload", "chronos", 2, {"memory.plan": True}, joint=True),
     ]
 )
 
@@ -68,10 +76,35 @@ class Evaluation:
     fits: bool
     result: SimResult | None  # None when the planner found no plan
     smallest_hbm_bytes: float | None = None
+    variant: str = ""  # a joint policy's choice at this depth, e.g. "v=4 cap=32"
 
 
-def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy, layers: int) -> Evaluation:
-    """Simulate (or plan and simulate) the scenario at `layers` under `policy`."""
+JOINT_V = (2, 4)  # chunks per rank a joint chronos policy tries (even, as its zig-zag placement needs)
+
+
+def chronos_variants(stages: int, microbatches: int, layers: int) -> list[dict[str, Any]]:
+    """(v, admission cap) pairs a joint chronos policy tries at `layers`: v in JOINT_V where every chunk gets a
+    layer; caps in chunk-activations: chronos' own choice, V-Half's (v_half_limit, per chunk pair), one whole-
+    rank microbatch below and above it, and 1F1B's p and p+1 microbatches (the list scheduler gains little
+    above: docs/memory.md). Every chronos policy tries the same set, so one with more memory treatments is
+    never slower than one with fewer."""
+    out = []
+    for v in JOINT_V:
+        if layers < stages * v:
+            continue
+        half = v_half_limit(stages) // 2  # V-Half's whole-rank microbatches
+        ks = {half - 1, half, half + 1, stages, stages + 1}
+        caps = {chronos_plan(stages, microbatches, v)[0]} | {v * k for k in ks if k >= 1}
+        out += [{"pipeline.virtual_stages": v, "pipeline.admission_cap": c} for c in sorted(caps)]
+    return out
+
+
+def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy, layers: int,
+             bounds: dict | None = None) -> Evaluation:
+    """Simulate (or plan and simulate) the scenario at `layers` under `policy`; a joint policy searches its
+    variants (module docstring), `bounds` caching their keep-everything runs across policies."""
+    if policy.joint:
+        return _evaluate_joint(sc_path, base_overrides, policy, layers, {} if bounds is None else bounds)
     overrides = {
         **base_overrides,
         "pipeline.schedule": policy.schedule,
@@ -90,6 +123,27 @@ def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy
         return Evaluation(layers, True, memory.planned.simulated)
     res = simulate(schedule, costs, memory=memory.plan)
     return Evaluation(layers, not res.oom_over_limit, res)
+
+
+def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy, layers: int,
+                    bounds: dict) -> Evaluation:
+    sc = load_scenario(sc_path, base_overrides)
+    candidates = []
+    for var in chronos_variants(sc.pipeline.stages, sc.pipeline.microbatches, layers):
+        key = (layers, var["pipeline.virtual_stages"], var["pipeline.admission_cap"])
+        if key not in bounds:  # the same order keeping everything: shared by every chronos policy
+            plain = Policy("chronos", "chronos", var["pipeline.virtual_stages"])
+            bounds[key] = evaluate(sc_path, {**base_overrides, **var}, plain, layers)
+        candidates.append((bounds[key].result.tokens_per_s, key, var))
+    best: Evaluation | None = None
+    for bound, key, var in sorted(candidates, key=lambda c: -c[0]):
+        if best is not None and best.result.tokens_per_s >= bound:
+            break  # no memory treatment of the remaining orders can be faster
+        fixed = Policy(policy.name, policy.schedule, var["pipeline.virtual_stages"], policy.overrides)
+        ev = bounds[key] if not policy.overrides else evaluate(sc_path, {**base_overrides, **var}, fixed, layers)
+        if ev.fits and ev.result is not None and (best is None or ev.result.tokens_per_s > best.result.tokens_per_s):
+            best = Evaluation(layers, True, ev.result, variant=f"v={key[1]} cap={key[2]}")
+    return best if best is not None else Evaluation(layers, False, None)
 
 
 def max_layers(fits: Callable[[int], Evaluation], step: int) -> Evaluation | None:
@@ -131,14 +185,19 @@ def model_params(sc: Scenario, layers: int) -> int:
 class PolicyDepths:
     """Evaluations of one policy at any depth, cached: the capacity search and the frontier share them."""
 
-    def __init__(self, sc_path: str | None, overrides: dict[str, Any], policy: Policy, stages: int):
+    def __init__(self, sc_path: str | None, overrides: dict[str, Any], policy: Policy, stages: int,
+                 bounds: dict | None = None, progress: Callable[[str], None] | None = None):
         self.sc_path, self.overrides, self.policy = sc_path, overrides, policy
         self.step = stages * policy.virtual_stages  # depths are multiples of the chunk count
         self._cache: dict[int, Evaluation] = {}
+        self.bounds = {} if bounds is None else bounds  # joint policies' keep-everything runs, shared
+        self.progress = progress
 
     def __call__(self, layers: int) -> Evaluation:
         if layers not in self._cache:
-            self._cache[layers] = evaluate(self.sc_path, self.overrides, self.policy, layers)
+            if self.progress:
+                self.progress(f"{self.policy.name} at {layers} layers")
+            self._cache[layers] = evaluate(self.sc_path, self.overrides, self.policy, layers, self.bounds)
         return self._cache[layers]
 
     def round_up(self, layers: float) -> int:
@@ -152,11 +211,12 @@ def capacity_table(
     target_ratio: float = 2.4,
     depths: dict[str, PolicyDepths] | None = None,
     overrides: dict[str, Any] | None = None,
+    detail: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """One row per policy: max layers and params that fit, throughput there, the scenario's own depth, and
     the depth `target_ratio` x plain 1F1B's maximum (ChronosPipe's 2.4x claim): fits there, and how fast.
     `depths` (filled here when given) keeps every evaluation for a later frontier; `overrides` (--set) apply
-    under every policy."""
+    under every policy; `detail` hears of every depth evaluated."""
     base = load_scenario(sc_path, overrides)
     if base.model is None:
         raise ScenarioError("capacity: needs a [model] scenario (explicit costs have no depth to vary)")
@@ -165,11 +225,13 @@ def capacity_table(
         raise ScenarioError(f"--policies: unknown {', '.join(unknown)}; allowed: {', '.join(POLICIES)}")
     keep = {**(overrides or {}), "memory.hbm_margin_gib": base.memory.hbm_margin_gib}
     depths = {} if depths is None else depths
+    bounds: dict = {}
     rows = []
     for name in policies:
         if progress:
             progress(name)
-        fits = depths.setdefault(name, PolicyDepths(sc_path, keep, POLICIES[name], base.pipeline.stages))
+        fits = depths.setdefault(name, PolicyDepths(sc_path, keep, POLICIES[name], base.pipeline.stages, bounds,
+                                                    detail))
         best = max_layers(fits, fits.step)
         own = base.model.layers
         at_own = fits(own) if own % fits.step == 0 else None
@@ -187,6 +249,7 @@ def capacity_table(
                 "peak_hbm_bytes": float(r.peak_hbm_bytes.max()),
                 "makespan_s": r.makespan_s,
                 "mfu": r.mfu,
+                "variant": best.variant,
             }
         row["scenario_layers"] = own
         row["fits_scenario_layers"] = bool(at_own.fits) if at_own is not None else None
@@ -212,7 +275,7 @@ def capacity_table(
 
 
 # ---- the depth/speed frontier (`pipeplan capacity --frontier`) --------------------------------------------
-FRONTIER_COLUMNS = ["policy", "layers", "fits", "tokens_per_s", "layer_throughput_vs_1f1b"]
+FRONTIER_COLUMNS = ["policy", "layers", "fits", "tokens_per_s", "layer_throughput_vs_1f1b", "variant"]
 
 
 def frontier_depths(lo: int, hi: int, step: int, points: int) -> list[int]:
@@ -252,7 +315,8 @@ def frontier_table(rows: list[dict], depths: dict[str, PolicyDepths], points: in
 def frontier_row(policy: str, ev: Evaluation, ref_layer_tokens_per_s: float) -> dict[str, Any]:
     tps = ev.result.tokens_per_s if ev.fits and ev.result is not None else None
     return {"policy": policy, "layers": ev.layers, "fits": ev.fits, "tokens_per_s": tps,
-            "layer_throughput_vs_1f1b": None if tps is None else tps * ev.layers / ref_layer_tokens_per_s}
+            "layer_throughput_vs_1f1b": None if tps is None else tps * ev.layers / ref_layer_tokens_per_s,
+            "variant": ev.variant}
 
 
 def deepest_at(frontier: list[dict], fits: PolicyDepths, min_throughput: float,

@@ -74,12 +74,13 @@ def print_frontier(df: pd.DataFrame, answers: dict, min_throughput: float) -> No
     ref = int(df.set_index("policy").loc["1f1b", "max_layers"])
     t = Table(title=f"deepest model at >= {min_throughput:.0%} of plain 1F1B's per-layer throughput "
                     f"(1F1B: {ref} layers)", header_style="bold")
-    for col in ("policy", "layers", "x 1f1b depth", "thr/layer vs 1f1b", "tokens/s"):
-        t.add_column(col, justify="left" if col == "policy" else "right")
+    for col in ("policy", "layers", "x 1f1b depth", "thr/layer vs 1f1b", "tokens/s", "chosen"):
+        t.add_column(col, justify="left" if col in ("policy", "chosen") else "right")
     for policy, best in answers.items():
         if best is None:
-            t.add_row(policy, "none", "-", "-", "-")
+            t.add_row(policy, "none", "-", "-", "-", "")
         else:
             t.add_row(policy, str(best["layers"]), f"{best['layers'] / ref:.2f}",
-                      f"{best['layer_throughput_vs_1f1b']:.2f}", f"{best['tokens_per_s']:,.0f}")
+                      f"{best['layer_throughput_vs_1f1b']:.2f}", f"{best['tokens_per_s']:,.0f}",
+                      best.get("variant") or "")
     console.print(t)

@@ -47,6 +47,10 @@ class PipelineConfig(_Section):
     """Count the embedding as one layer in the split (Megatron --account-for-embedding-in-pipeline-split)."""
     account_for_loss: bool = False
     """Count the LM head + loss as one layer in the split (Megatron --account-for-loss-in-pipeline-split)."""
+    admission_cap: PosInt | None = None
+    """chronos only: the most chunk-activations a rank may hold or reserve (its list scheduler's cap); default:
+    the smallest cap within 5% of the uncapped step (unit costs). 2 * ((stages + 2) // 2) at virtual_stages = 2
+    is V-Half's cap and gives v-half's order."""
 
     @model_validator(mode="before")
     @classmethod

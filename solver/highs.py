@@ -20,6 +20,8 @@ import numpy as np
 
 from solver.errors import InfeasibleError, SolverError
 
+FEASIBLE_POINT = 2  # HiGHS' primal_solution_status for "a feasible point is known" (kSolutionStatusFeasible)
+
 AT_LOWER, BASIC, AT_UPPER = 0, 1, 2  # basis states for `LinearProgram.set_basis`
 _banner_silenced = False
 
@@ -139,8 +141,11 @@ class LinearProgram:
         costs: np.ndarray | float,
         what: str,
         options: dict[str, float | int | str | bool] | None = None,
+        accept_incumbent: bool = False,
     ) -> LPSolution:
         """Minimise sum(costs * x[cols]) (every other column costs 0); `what` names the solve in errors.
+        `accept_incumbent`: a MILP stopped by its time limit returns its best feasible solution (for callers
+        that verify what they get, as the memory planner re-simulates every plan).
 
         HiGHS keeps the basis of the previous solve, so a second objective on the same model starts warm.
         """
@@ -157,7 +162,9 @@ class LinearProgram:
         run_status = h.run()
         wall = time.perf_counter() - t0
         model_status = h.getModelStatus()
-        if model_status == highspy.HighsModelStatus.kOptimal:
+        feasible = h.getInfo().primal_solution_status == FEASIBLE_POINT
+        if model_status == highspy.HighsModelStatus.kOptimal or (
+                accept_incumbent and model_status == highspy.HighsModelStatus.kTimeLimit and feasible):
             info = h.getInfo()
             x = np.asarray(h.getSolution().col_value, dtype=np.float64)
             iters = int(info.simplex_iteration_count) + int(info.ipm_iteration_count)

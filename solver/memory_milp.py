@@ -157,9 +157,11 @@ def _away_positions(schedule: Schedule, lookahead: int) -> list[np.ndarray]:
     return away
 
 
-def _positions(schedule: Schedule, lookahead: int) -> _Positions:
+def _positions(schedule: Schedule, lookahead: int, weights: bool = False) -> _Positions:
+    """The distinct memory states of every rank (`weights`: with the weight windows' positions, which only a
+    plan that may offload weights needs; without them fewer rows are distinct)."""
     n_chunks = schedule.num_stages
-    away = _away_positions(schedule, lookahead)
+    away = _away_positions(schedule, lookahead) if weights else [np.zeros((len(r), n_chunks)) for r in schedule.ranks]
     rows_rank, rows_n, rows_r, rows_b, rows_w = [], [], [], [], []
     for r, actions in enumerate(schedule.ranks):
         inflight: dict[tuple[int, int], None] = {}
@@ -298,7 +300,7 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     _precedence_rows(rows, col, ch, dag)
     _copy_rows(rows, lp, col, ch, dag, lookahead, w_hi.any())
     _step_copy_rows(rows, col, ch, dag, _step_copy_s(costs, base), sc.memory.optimizer != "hbm")
-    pos = _positions(schedule, lookahead)
+    pos = _positions(schedule, lookahead, bool(w_hi.any()))
     _hbm_rows(rows, col, ch, pos, base, costs, schedule, _host_state_bytes(sc, costs))
     _host_rows(rows, col, ch, pos, costs, schedule, _host_state_bytes(sc, costs))
     rows.flush(lp)
@@ -315,7 +317,7 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
         obj = np.array([1.0, 1e-9])
         what = "the smallest HBM"
     try:
-        sol = lp.minimize(obj_cols, obj, what)
+        sol = lp.minimize(obj_cols, obj, what, accept_incumbent=True)  # every plan is re-simulated
     except InfeasibleError:
         peak = smallest_hbm_bytes(sc, costs, schedule, allow_state_offload) if limit is not None else math.nan
         raise MemoryInfeasibleError(

@@ -61,8 +61,11 @@ def run(args: argparse.Namespace) -> int:
         def step(name: str) -> None:
             bar.update(task, advance=1, description=f"capacity: {name}")
 
+        def detail(what: str) -> None:  # every depth evaluated: the MILP policies take seconds per depth
+            bar.update(task, description=f"capacity: {what}")
+
         rows = capacity_table(args.scenario, policies, progress=step, target_ratio=args.target_ratio,
-                              depths=depths, overrides=scenario_overrides(args))
+                              depths=depths, overrides=scenario_overrides(args), detail=detail)
         frontier = frontier_table(rows, depths, args.points, progress=step) if args.frontier else None
     df = pd.DataFrame(rows)
     written = ["capacity.csv", "capacity.png"]

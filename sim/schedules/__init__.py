@@ -25,13 +25,15 @@ class ScheduleSpec:
     summary: str
     virtual_stages: int = 1  # the v it is usually run with (sweeps, tests)
     sweep: bool = False  # one of the schedules `pipeplan plan --sweep-cap` compares
+    takes_cap: bool = False  # its builder takes an activation admission cap (pipeline.admission_cap)
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {}
 
 
 def register(
-    name: str, check: SizeCheck, summary: str, *, virtual_stages: int = 1, sweep: bool = False
+    name: str, check: SizeCheck, summary: str, *, virtual_stages: int = 1, sweep: bool = False,
+    takes_cap: bool = False,
 ) -> Callable[[ScheduleBuilder], ScheduleBuilder]:
     """Register a generator under `name`; a name already taken is refused (two modules would shadow each other)."""
 
@@ -39,7 +41,7 @@ def register(
         if name in SCHEDULES:
             raise ValueError(f"schedule {name!r} is registered twice ({SCHEDULES[name].build.__module__} and "
                              f"{fn.__module__})")
-        SCHEDULES[name] = ScheduleSpec(name, fn, check, summary, virtual_stages, sweep)
+        SCHEDULES[name] = ScheduleSpec(name, fn, check, summary, virtual_stages, sweep, takes_cap)
         return fn
 
     return deco
@@ -58,8 +60,10 @@ def exact_virtual_stages(v: int, want: int) -> str | None:
     return None if v == want else f"needs pipeline.virtual_stages = {want} (got {v})"
 
 
-def build_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """Generate schedule `name`; sizes it cannot take are a ScheduleError naming the field and the rule."""
+def build_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int = 1,
+                   admission_cap: int | None = None) -> Schedule:
+    """Generate schedule `name`; sizes it cannot take are a ScheduleError naming the field and the rule.
+    `admission_cap` goes to schedules registered with takes_cap (their activation cap, in chunk-activations)."""
     _import_builtin()
     if name not in SCHEDULES:
         raise ScheduleError(f"pipeline.schedule: unknown schedule {name!r}; allowed: {', '.join(SCHEDULES)}")
@@ -69,7 +73,13 @@ def build_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int
     why = spec.check(ranks, microbatches, virtual_stages)
     if why:
         raise ScheduleError(f"pipeline: schedule {name!r} {why}")
-    return spec.build(ranks, microbatches, virtual_stages).validate()
+    if admission_cap is None:
+        return spec.build(ranks, microbatches, virtual_stages).validate()
+    if not spec.takes_cap:
+        takers = [n for n, sp in SCHEDULES.items() if sp.takes_cap]
+        raise ScheduleError(f"pipeline.admission_cap: schedule {name!r} has no admission cap (leave it out); "
+                            f"schedules that take one: {', '.join(takers)}")
+    return spec.build(ranks, microbatches, virtual_stages, admission_cap).validate()
 
 
 def default_virtual_stages(name: str) -> int:

@@ -192,7 +192,21 @@ def chronos_plan(p: int, m: int, v: int, slowdown: float = CHRONOS_SLOWDOWN) -> 
     _check_chronos,
     "zig-zag over v >= 2 (even) chunks, backward first, smallest memory cap within 5% of uncapped step time",
     virtual_stages=2,
+    takes_cap=True,
 )
-def build_chronos(p: int, m: int, v: int) -> Schedule:
-    _, plan = chronos_plan(p, m, v)
+def build_chronos(p: int, m: int, v: int, admission_cap: int | None = None) -> Schedule:
+    """The chronos order; `admission_cap` (pipeline.admission_cap) replaces the chosen cap: V-Half's own
+    (v_half_limit(p) at v = 2) gives exactly v-half's order."""
+    if admission_cap is None:
+        _, plan = chronos_plan(p, m, v)
+    else:
+        if admission_cap < v:
+            raise ScheduleError(f"pipeline.admission_cap: {admission_cap} < virtual_stages = {v}: no microbatch "
+                                f"could be admitted; give at least {v}")
+        plan = _capped_plan(p, m, v, admission_cap)
     return Schedule("chronos", p * v, m, plan.ranks, zigzag_placement(p, v))
+
+
+@lru_cache(maxsize=256)
+def _capped_plan(p: int, m: int, v: int, cap: int) -> ListSchedule:
+    return list_schedule(p, m, v, Admission(min(cap, v * m), deferred_w_limit(p, v)))
