@@ -65,7 +65,8 @@ POLICIES: dict[str, Policy] = _by_name(
         Policy("v-half", "v-half", 2),
         Policy("chronos", "chronos", 2, joint=True),
         Policy("chronos+recomp", "chronos", 2, {"memory.recompute": "chronos"}, joint=True),
-        Policy("chronos+recomp+offload", "chronos", 2, {"memory.plan": True}, joint=True),
+        Policy("chronos+recomp+offload", "chronos", 2, {"memory.plan": True, "memory.offload_weights": "auto"},
+               joint=True),
     ]
 )
 
@@ -80,6 +81,8 @@ class Evaluation:
 
 
 JOINT_V = (2, 4)  # chunks per rank a joint chronos policy tries (even, as its zig-zag placement needs)
+KEEP: tuple[tuple[str, Any], ...] = ()  # a joint run's memory treatment, as sorted override items
+CHRONOS_RECOMPUTE = (("memory.recompute", "chronos"),)
 
 
 def chronos_variants(stages: int, microbatches: int, layers: int) -> list[dict[str, Any]]:
@@ -126,24 +129,47 @@ def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy
 
 
 def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy, layers: int,
-                    bounds: dict) -> Evaluation:
+                    runs: dict) -> Evaluation:
+    """The fastest fitting variant of a joint policy (module docstring). `runs` caches every (depth, v, cap,
+    treatment) run across the chronos policies. The planner's candidates are every variant's cheap plans
+    (keep everything; chronos' recompute rule: both in the MILP's plan space) and the MILP's own plan for the
+    variants with chronos' own cap, tried in order of their bound while they can still win (a MILP takes
+    10-50 s at 144 layers; there chronos' own cap, V-Half's at p = 8 and v = 2, planned best among 8, 10, 12
+    and 16: docs/memory.md)."""
     sc = load_scenario(sc_path, base_overrides)
-    candidates = []
-    for var in chronos_variants(sc.pipeline.stages, sc.pipeline.microbatches, layers):
-        key = (layers, var["pipeline.virtual_stages"], var["pipeline.admission_cap"])
-        if key not in bounds:  # the same order keeping everything: shared by every chronos policy
-            plain = Policy("chronos", "chronos", var["pipeline.virtual_stages"])
-            bounds[key] = evaluate(sc_path, {**base_overrides, **var}, plain, layers)
-        candidates.append((bounds[key].result.tokens_per_s, key, var))
-    best: Evaluation | None = None
-    for bound, key, var in sorted(candidates, key=lambda c: -c[0]):
-        if best is not None and best.result.tokens_per_s >= bound:
-            break  # no memory treatment of the remaining orders can be faster
-        fixed = Policy(policy.name, policy.schedule, var["pipeline.virtual_stages"], policy.overrides)
-        ev = bounds[key] if not policy.overrides else evaluate(sc_path, {**base_overrides, **var}, fixed, layers)
-        if ev.fits and ev.result is not None and (best is None or ev.result.tokens_per_s > best.result.tokens_per_s):
-            best = Evaluation(layers, True, ev.result, variant=f"v={key[1]} cap={key[2]}")
-    return best if best is not None else Evaluation(layers, False, None)
+
+    def run(var: dict[str, Any], treatment: tuple[tuple[str, Any], ...]) -> tuple[tuple, Evaluation]:
+        v, cap = var["pipeline.virtual_stages"], var["pipeline.admission_cap"]
+        key = (layers, v, cap, treatment)
+        if key not in runs:
+            runs[key] = evaluate(sc_path, {**base_overrides, **var}, Policy(policy.name, "chronos", v, dict(treatment)),
+                                 layers)
+        return key, runs[key]
+
+    variants = chronos_variants(sc.pipeline.stages, sc.pipeline.microbatches, layers)
+    treatment = tuple(sorted(policy.overrides.items()))
+    cheap = (KEEP, CHRONOS_RECOMPUTE) if policy.planner else (treatment,)
+    tried = [run(var, t) for var in variants for t in cheap]
+    if policy.planner:
+        p, m = sc.pipeline.stages, sc.pipeline.microbatches
+        planned = [var for var in variants
+                   if var["pipeline.admission_cap"] == chronos_plan(p, m, var["pipeline.virtual_stages"])[0]]
+        bounds = sorted(((run(var, KEEP)[1].result.tokens_per_s, var) for var in planned), key=lambda b: -b[0])
+        for bound, var in bounds:
+            if _fastest(tried) is not None and _fastest(tried)[1].result.tokens_per_s >= bound:
+                break  # no memory treatment of the remaining orders can be faster
+            tried.append(run(var, treatment))
+    best = _fastest(tried)
+    if best is None:
+        return Evaluation(layers, False, None)
+    (_, v, cap, how), ev = best
+    plan = "" if not policy.planner else (" planned" if how == treatment else " kept" if not how else " chronos-recomp")
+    return Evaluation(layers, True, ev.result, variant=f"v={v} cap={cap}{plan}")
+
+
+def _fastest(tried: list[tuple[tuple, Evaluation]]) -> tuple[tuple, Evaluation] | None:
+    fitting = [(k, e) for k, e in tried if e.fits and e.result is not None]
+    return max(fitting, key=lambda ke: ke[1].result.tokens_per_s, default=None)
 
 
 def max_layers(fits: Callable[[int], Evaluation], step: int) -> Evaluation | None:
