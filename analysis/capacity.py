@@ -26,6 +26,7 @@ from sim.engine import SimResult, simulate
 from sim.errors import ScenarioError
 from sim.schedules.v_shape import chronos_plan, v_half_limit
 from sim.step import resolve_schedule
+from solver.errors import SolverError
 from solver.memory_milp import MemoryInfeasibleError
 from solver.step import resolve_memory_plan
 
@@ -122,6 +123,8 @@ def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy
         memory = resolve_memory_plan(sc, costs, schedule)
     except MemoryInfeasibleError:
         return Evaluation(layers, False, None)
+    except SolverError as e:  # HiGHS hit its time limit with no plan: at this depth, no plan found in time
+        return Evaluation(layers, False, None, variant=f"no plan: {e}")
     if memory.planned is not None:  # the planner's plan fits by construction and is already simulated
         return Evaluation(layers, True, memory.planned.simulated)
     res = simulate(schedule, costs, memory=memory.plan)
