@@ -84,7 +84,7 @@ def test_capacity_frontier_cli(tmp_path, capsys):
     assert main(["capacity", SEVENTY, "--policies", "v-half", "--frontier", "--points", "3", "--out", str(out)]) == 0
     cap = pd.read_csv(out / "capacity.csv").set_index("policy")
     fr = pd.read_csv(out / "frontier.csv")
-    assert list(fr.columns) == ["policy", "layers", "fits", "tokens_per_s", "layer_throughput_vs_1f1b"]
+    assert list(fr.columns) == ["policy", "layers", "fits", "tokens_per_s", "layer_throughput_vs_1f1b", "variant"]
     assert set(fr["policy"]) == {"1f1b", "v-half"}  # 1f1b joins as the reference
     assert (out / "frontier.png").exists()
     ref = cap.loc["1f1b", "tokens_per_s"] * cap.loc["1f1b", "max_layers"]
