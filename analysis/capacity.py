@@ -24,7 +24,7 @@ from sim.config import Scenario, load_scenario
 from sim.costs import build_cost_table
 from sim.engine import SimResult, simulate
 from sim.errors import ScenarioError
-from sim.schedules.v_shape import chronos_plan, v_half_limit
+from sim.schedules.v_shape import chronos_plan, deferred_w_limit, v_half_limit
 from sim.step import resolve_schedule
 from solver.errors import SolverError
 from solver.memory_milp import MemoryInfeasibleError
@@ -83,24 +83,33 @@ class Evaluation:
 
 JOINT_V = (2, 4)  # chunks per rank a joint chronos policy tries (even, as its zig-zag placement needs)
 KEEP: tuple[tuple[str, Any], ...] = ()  # a joint run's memory treatment, as sorted override items
-CHRONOS_RECOMPUTE = (("memory.recompute", "chronos"),)
 
 
 def chronos_variants(stages: int, microbatches: int, layers: int) -> list[dict[str, Any]]:
-    """(v, admission cap) pairs a joint chronos policy tries at `layers`: v in JOINT_V where every chunk gets a
-    layer; caps in chunk-activations: chronos' own choice, V-Half's (v_half_limit, per chunk pair), one whole-
-    rank microbatch below and above it, and 1F1B's p and p+1 microbatches (the list scheduler gains little
-    above: docs/memory.md). Every chronos policy tries the same set, so one with more memory treatments is
-    never slower than one with fewer."""
+    """(v, admission cap, stash limit) a joint chronos policy tries at `layers`: v in JOINT_V where every chunk
+    gets a layer; caps in chunk-activations: chronos' own choice, V-Half's (v_half_limit, per chunk pair), one
+    whole-rank microbatch below it, and 1F1B's p microbatches (the list scheduler gains little above:
+    docs/memory.md); each with W deferred as usual (the stash limit's default), with the W stash counted
+    against the cap (stash limit = cap), or with no stash (0: full B). Every chronos policy tries the same
+    set, so one with more memory treatments is never slower than one with fewer."""
     out = []
     for v in JOINT_V:
         if layers < stages * v:
             continue
         half = v_half_limit(stages) // 2  # V-Half's whole-rank microbatches
-        ks = {half - 1, half, half + 1, stages, stages + 1}
-        caps = {chronos_plan(stages, microbatches, v)[0]} | {v * k for k in ks if k >= 1}
-        out += [{"pipeline.virtual_stages": v, "pipeline.admission_cap": c} for c in sorted(caps)]
+        caps = {chronos_plan(stages, microbatches, v)[0]} | {v * k for k in (half - 1, half, stages) if k >= 1}
+        for c in sorted(caps):
+            for stash in sorted({deferred_w_limit(stages, v), c, 0}, reverse=True):
+                var = {"pipeline.virtual_stages": v, "pipeline.admission_cap": c}
+                out.append(var if stash == deferred_w_limit(stages, v) else {**var, "pipeline.stash_limit": stash})
     return out
+
+
+def variant_label(var: dict[str, Any]) -> str:
+    """`v=2 cap=10`; with the W stash counted against the cap `v=2 cap=10 stash<=10`; without one, `... full-B`."""
+    stash = var.get("pipeline.stash_limit")
+    tail = "" if stash is None else " full-B" if stash == 0 else f" stash<={stash}"
+    return f"v={var['pipeline.virtual_stages']} cap={var['pipeline.admission_cap']}{tail}"
 
 
 def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy, layers: int,
@@ -133,17 +142,16 @@ def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy
 
 def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy, layers: int,
                     runs: dict) -> Evaluation:
-    """The fastest fitting variant of a joint policy (module docstring). `runs` caches every (depth, v, cap,
-    treatment) run across the chronos policies. The planner's candidates are every variant's cheap plans
-    (keep everything; chronos' recompute rule: both in the MILP's plan space) and the MILP's own plan for the
-    variants with chronos' own cap, tried in order of their bound while they can still win (a MILP takes
-    10-50 s at 144 layers; there chronos' own cap, V-Half's at p = 8 and v = 2, planned best among 8, 10, 12
-    and 16: docs/memory.md)."""
+    """The fastest fitting variant of a joint policy (module docstring). `runs` caches every (depth, variant,
+    treatment) run across the chronos policies. The planner's candidates are every variant's keep-everything
+    plan (in the MILP's plan space) and the MILP's own plan for the variants with chronos' own cap, tried in
+    order of their bound while they can still win (a MILP takes 5-50 s at 144 layers; there chronos' own cap,
+    V-Half's at p = 8 and v = 2, planned best among 8, 10, 12 and 16: docs/memory.md)."""
     sc = load_scenario(sc_path, base_overrides)
 
     def run(var: dict[str, Any], treatment: tuple[tuple[str, Any], ...]) -> tuple[tuple, Evaluation]:
-        v, cap = var["pipeline.virtual_stages"], var["pipeline.admission_cap"]
-        key = (layers, v, cap, treatment)
+        v = var["pipeline.virtual_stages"]
+        key = (layers, variant_label(var), treatment)
         if key not in runs:
             runs[key] = evaluate(sc_path, {**base_overrides, **var}, Policy(policy.name, "chronos", v, dict(treatment)),
                                  layers)
@@ -151,7 +159,7 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
 
     variants = chronos_variants(sc.pipeline.stages, sc.pipeline.microbatches, layers)
     treatment = tuple(sorted(policy.overrides.items()))
-    cheap = (KEEP, CHRONOS_RECOMPUTE) if policy.planner else (treatment,)
+    cheap = (KEEP,) if policy.planner else (treatment,)
     tried = [run(var, t) for var in variants for t in cheap]
     if policy.planner:
         p, m = sc.pipeline.stages, sc.pipeline.microbatches
@@ -165,9 +173,9 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
     best = _fastest(tried)
     if best is None:
         return Evaluation(layers, False, None)
-    (_, v, cap, how), ev = best
-    plan = "" if not policy.planner else (" planned" if how == treatment else " kept" if not how else " chronos-recomp")
-    return Evaluation(layers, True, ev.result, variant=f"v={v} cap={cap}{plan}")
+    (_, label, how), ev = best
+    plan = "" if not policy.planner else (" planned" if how == treatment else " kept")
+    return Evaluation(layers, True, ev.result, variant=label + plan)
 
 
 def _fastest(tried: list[tuple[tuple, Evaluation]]) -> tuple[tuple, Evaluation] | None:

@@ -51,6 +51,11 @@ class PipelineConfig(_Section):
     """chronos only: the most chunk-activations a rank may hold or reserve (its list scheduler's cap); default:
     the smallest cap within 5% of the uncapped step (unit costs). 2 * ((stages + 2) // 2) at virtual_stages = 2
     is V-Half's cap and gives v-half's order."""
+    stash_limit: NonNegInt | None = None
+    """chronos only: once a rank holds this many chunk-activations whose W has not run (live, or kept for W
+    after I: the W stash), its pending W runs before new forwards; default virtual_stages * (stages + 1). Set
+    to admission_cap, the stash counts against the same cap; 0 keeps no stash at all: the backward is not
+    split (B instead of I + W)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -17,7 +17,8 @@ def resolve_schedule(sc: Scenario, schedule_csv: str | Path | None = None) -> Sc
     """The scenario's generated schedule, or the action order read from a torch-format CSV."""
     p = sc.pipeline
     if schedule_csv is None:
-        return build_schedule(p.schedule, p.stages, p.microbatches, p.virtual_stages, p.admission_cap)
+        return build_schedule(p.schedule, p.stages, p.microbatches, p.virtual_stages, p.admission_cap,
+                              p.stash_limit)
     sched = Schedule.read_csv(schedule_csv, num_microbatches=p.microbatches)
     if sched.num_ranks != p.stages:
         raise ScheduleError(f"--schedule-csv: has {sched.num_ranks} rank rows, pipeline.stages is {p.stages}")

@@ -19,7 +19,10 @@ f_c forward seconds; A_c the chunk's activation bytes; m microbatches.
                 them resident (the current action's, the next `lookahead` backwards' (prefetched), the last two
                 forwards' (copies out may be unfinished)):
                   S_r - y_r H_r + Σ_c [N_kc (A_c - (a_c - q_c) k_c) - (N_kc - R_kc) a_c (d_c + n_c)]
-                  + a_c z_c [k is a B/I of c] - Σ_c o_c W_c [k inside a weight window of c]  <=  capacity - margin
+                  + a_c z_c [k is a B/I of c] - Σ_c o_c W_c [k inside a weight window of c]
+                  + Σ_c S_kc w_c + (the loss's working set at a B/I)  <=  capacity - margin
+                (S_kc: microbatches of c between their I's end and their W's end, each holding its W stash
+                w_c); after the last action, S_r - y_r H_r + the optimizer step's working memory <= the same
                 copies, FIFO per rank and direction, x_c = a_c (d_c / bw_link + n_c / bw_nvme) per microbatch:
                   e_j >= s_Fj + w_Fj + x_c,  e_j >= e_(j-1) + x_c,  s_F(j+1) >= e_(j-1)   (copy out, bounded)
                   p_b >= e_F(b) + x_c,  p_b >= s_(b - lookahead) + x_c,  p_b >= p_(b-1) + x_c,  s_b >= p_b
@@ -142,6 +145,7 @@ class _Positions:
     backward_chunk: np.ndarray  # (P,)
     max_inflight: np.ndarray  # (C,)
     weights_away: np.ndarray  # (P, C): 1 where the position lies inside a weight window of the chunk
+    stashed: np.ndarray  # (P, C): microbatches whose I has ended and whose W has not (each holds a W stash)
 
 
 def _away_positions(schedule: Schedule, lookahead: int) -> list[np.ndarray]:
@@ -162,9 +166,10 @@ def _positions(schedule: Schedule, lookahead: int, weights: bool = False) -> _Po
     plan that may offload weights needs; without them fewer rows are distinct)."""
     n_chunks = schedule.num_stages
     away = _away_positions(schedule, lookahead) if weights else [np.zeros((len(r), n_chunks)) for r in schedule.ranks]
-    rows_rank, rows_n, rows_r, rows_b, rows_w = [], [], [], [], []
+    rows_rank, rows_n, rows_r, rows_b, rows_w, rows_s = [], [], [], [], [], []
     for r, actions in enumerate(schedule.ranks):
         inflight: dict[tuple[int, int], None] = {}
+        stashed: dict[tuple[int, int], None] = {}  # the engine holds a stash from I's end to W's end
         recent_f: list[tuple[int, int]] = []
         backwards = [k for k, a in enumerate(actions) if a.kind in BACKWARD_KINDS]
         for k, a in enumerate(actions):
@@ -187,19 +192,27 @@ def _positions(schedule: Schedule, lookahead: int, weights: bool = False) -> _Po
             rows_r.append(r_vec)
             rows_b.append(a.stage if a.kind in BACKWARD_KINDS else -1)
             rows_w.append(away[r][k])
+            s_vec = np.zeros(n_chunks)
+            for s, _mb in stashed:
+                s_vec[s] += 1
+            rows_s.append(s_vec)
+            if a.kind is Kind.I:
+                stashed[key] = None
+            elif a.kind is Kind.W:
+                stashed.pop(key, None)
             if a.kind in BACKWARD_KINDS:
                 inflight.pop(key, None)
             if a.kind is Kind.F:
                 recent_f.append(key)
     inflight_arr = np.asarray(rows_n)
     # identical rows constrain nothing new
-    away_arr = np.asarray(rows_w)
+    away_arr, stash_arr = np.asarray(rows_w), np.asarray(rows_s)
     keys = np.concatenate([np.asarray(rows_rank)[:, None], inflight_arr, np.asarray(rows_r),
-                           np.asarray(rows_b)[:, None], away_arr], axis=1)
+                           np.asarray(rows_b)[:, None], away_arr, stash_arr], axis=1)
     _, keep = np.unique(keys, axis=0, return_index=True)
     keep.sort()
     return _Positions(np.asarray(rows_rank)[keep], inflight_arr[keep], np.asarray(rows_r)[keep],
-                      np.asarray(rows_b)[keep], inflight_arr.max(axis=0), away_arr[keep])
+                      np.asarray(rows_b)[keep], inflight_arr.max(axis=0), away_arr[keep], stash_arr[keep])
 
 
 def plan_memory(
@@ -416,14 +429,19 @@ def _step_copy_rows(rows: _Rows, col: _Columns, ch: _Chunks, dag: FreezeDag, ste
 
 def _hbm_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, base: MemoryPlan, costs: CostTable,
               schedule: Schedule, host_states: np.ndarray) -> None:
-    """HBM at every distinct position of every rank is at most P (module docstring)."""
+    """HBM at every distinct position of every rank is at most P (module docstring), with what every plan
+    holds alike: a split backward's W stash (I's end to W's end), the loss's working set during B/I, and the
+    optimizer step's working memory after the rank's last action."""
     s2r, n_r = np.asarray(schedule.stage_to_rank), schedule.num_ranks
     static_r = per_rank_sum(base.static_hbm_bytes, s2r, n_r)
     hs_r = per_rank_sum(host_states, s2r, n_r)
+    stash = base.stash_bytes if len(base.stash_bytes) else np.zeros(costs.num_chunks)
     for p in range(len(pos.rank)):
         r = pos.rank[p]
         N, R = pos.inflight[p], pos.resident[p]
-        const = static_r[r] + float(N @ costs.activation_bytes)
+        const = static_r[r] + float(N @ costs.activation_bytes) + float(pos.stashed[p] @ stash)
+        if pos.backward_chunk[p] >= 0:
+            const += float(base.transient_bytes[pos.backward_chunk[p]])
         cols = [col.peak, col.states_on_host[r]]
         vals = [-1.0, -hs_r[r]]
         for c in np.flatnonzero(N):
@@ -437,6 +455,10 @@ def _hbm_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, base: Me
             cols.append(col.weights[c])
             vals.append(-ch.weight_bytes[c])
         rows.add(-np.inf, -const, cols, vals)
+    if len(base.step_transient_bytes):
+        step_r = per_rank_sum(base.step_transient_bytes, s2r, n_r)
+        for r in range(n_r):
+            rows.add(-np.inf, -(static_r[r] + step_r[r]), [col.peak, col.states_on_host[r]], [-1.0, -hs_r[r]])
 
 
 def _host_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, costs: CostTable, schedule: Schedule,
@@ -506,6 +528,8 @@ def plan_from_choice(sc: Scenario, costs: CostTable, schedule: Schedule, base: M
         policy=policy,
         host_link_bps=base.host_link_bps,
         nvme_bps=base.nvme_bps,
+        stash_bytes=base.stash_bytes,  # a split backward's W stash and the optimizer step's working memory:
+        step_transient_bytes=base.step_transient_bytes,  # the engine holds them under every plan
     )
     host_optimizer = chunk_states | (sc.memory.optimizer != "hbm")
     return with_weight_offload(plan, costs, choice.weight_mask, host_optimizer)

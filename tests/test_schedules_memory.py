@@ -223,3 +223,25 @@ def table_row(name: str, v: int, p: int, m: int) -> tuple[float, float, int, flo
 def test_docs_table_is_what_the_engine_measures(p_m: tuple[int, int]):
     for (name, v), row in DOCS_TABLE[p_m].items():
         assert table_row(name, v, *p_m) == row, (name, v)
+
+
+@pytest.mark.parametrize("v", [2, 4])
+def test_admission_cap_and_stash_limit_bound_what_chronos_holds(v: int):
+    """pipeline.admission_cap sets chronos' cap (V-Half's reproduces v-half's order at v = 2); with the stash
+    limit at the cap too, activations in flight plus stashes waiting for W stay within the cap, where the
+    default stash limit lets deferred W passes grow past it; a stash limit of 0 runs full B (no stash)."""
+    assert build_schedule("chronos", 8, 32, 2, v_half_limit(8)).ranks == build_schedule("v-half", 8, 32, 2).ranks
+    looser = False
+    for p in (2, 4, 8):
+        m = 2 * p
+        for cap in sorted({v, 2 * v, p * v // 2, p * v}):
+            held = max(in_flight_peak(r, Kind.W) for r in build_schedule("chronos", p, m, v, cap, cap).ranks)
+            loose = max(in_flight_peak(r, Kind.W) for r in build_schedule("chronos", p, m, v, cap).ranks)
+            assert held <= cap <= loose, (p, cap)
+            looser |= loose > cap
+            full_b = build_schedule("chronos", p, m, v, cap, 0)
+            assert {a.kind for r in full_b.ranks for a in r} == {Kind.F, Kind.B}
+            assert max(in_flight_peak(r, Kind.B) for r in full_b.ranks) <= cap
+    assert looser
+    with pytest.raises(ScheduleError, match=r"pipeline\.stash_limit"):
+        build_schedule("zbv", 4, 8, 2, None, 4)

@@ -61,9 +61,10 @@ def exact_virtual_stages(v: int, want: int) -> str | None:
 
 
 def build_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int = 1,
-                   admission_cap: int | None = None) -> Schedule:
+                   admission_cap: int | None = None, stash_limit: int | None = None) -> Schedule:
     """Generate schedule `name`; sizes it cannot take are a ScheduleError naming the field and the rule.
-    `admission_cap` goes to schedules registered with takes_cap (their activation cap, in chunk-activations)."""
+    `admission_cap` and `stash_limit` go to schedules registered with takes_cap (their activation cap and
+    when a pending W runs first, in chunk-activations)."""
     _import_builtin()
     if name not in SCHEDULES:
         raise ScheduleError(f"pipeline.schedule: unknown schedule {name!r}; allowed: {', '.join(SCHEDULES)}")
@@ -73,13 +74,14 @@ def build_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int
     why = spec.check(ranks, microbatches, virtual_stages)
     if why:
         raise ScheduleError(f"pipeline: schedule {name!r} {why}")
-    if admission_cap is None:
+    if admission_cap is None and stash_limit is None:
         return spec.build(ranks, microbatches, virtual_stages).validate()
     if not spec.takes_cap:
+        key = "admission_cap" if admission_cap is not None else "stash_limit"
         takers = [n for n, sp in SCHEDULES.items() if sp.takes_cap]
-        raise ScheduleError(f"pipeline.admission_cap: schedule {name!r} has no admission cap (leave it out); "
+        raise ScheduleError(f"pipeline.{key}: schedule {name!r} has no activation cap (leave it out); "
                             f"schedules that take one: {', '.join(takers)}")
-    return spec.build(ranks, microbatches, virtual_stages, admission_cap).validate()
+    return spec.build(ranks, microbatches, virtual_stages, admission_cap, stash_limit).validate()
 
 
 def default_virtual_stages(name: str) -> int:

@@ -194,19 +194,23 @@ def chronos_plan(p: int, m: int, v: int, slowdown: float = CHRONOS_SLOWDOWN) -> 
     virtual_stages=2,
     takes_cap=True,
 )
-def build_chronos(p: int, m: int, v: int, admission_cap: int | None = None) -> Schedule:
+def build_chronos(p: int, m: int, v: int, admission_cap: int | None = None, stash_limit: int | None = None
+                  ) -> Schedule:
     """The chronos order; `admission_cap` (pipeline.admission_cap) replaces the chosen cap: V-Half's own
-    (v_half_limit(p) at v = 2) gives exactly v-half's order."""
-    if admission_cap is None:
+    (v_half_limit(p) at v = 2) gives exactly v-half's order; `stash_limit` (pipeline.stash_limit) replaces
+    the list scheduler's w_limit (default deferred_w_limit; 0: no W stash, a full B instead of I and W)."""
+    if admission_cap is None and stash_limit is None:
         _, plan = chronos_plan(p, m, v)
     else:
-        if admission_cap < v:
-            raise ScheduleError(f"pipeline.admission_cap: {admission_cap} < virtual_stages = {v}: no microbatch "
-                                f"could be admitted; give at least {v}")
-        plan = _capped_plan(p, m, v, admission_cap)
+        cap = chronos_plan(p, m, v)[0] if admission_cap is None else admission_cap
+        if cap < v:
+            raise ScheduleError(f"pipeline.admission_cap: {cap} < virtual_stages = {v}: no microbatch could be "
+                                f"admitted; give at least {v}")
+        w_limit = deferred_w_limit(p, v) if stash_limit is None else stash_limit
+        plan = _capped_plan(p, m, v, cap, w_limit)
     return Schedule("chronos", p * v, m, plan.ranks, zigzag_placement(p, v))
 
 
 @lru_cache(maxsize=256)
-def _capped_plan(p: int, m: int, v: int, cap: int) -> ListSchedule:
-    return list_schedule(p, m, v, Admission(min(cap, v * m), deferred_w_limit(p, v)))
+def _capped_plan(p: int, m: int, v: int, cap: int, w_limit: int) -> ListSchedule:
+    return list_schedule(p, m, v, Admission(min(cap, v * m), w_limit, split_backward=w_limit > 0))
