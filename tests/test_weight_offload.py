@@ -106,7 +106,7 @@ def _zbv_one_rank(offload_weights):
     from runtime.executor import PipelineExecutor
     from runtime.model import ModelArgs
     from runtime.p2p import P2P
-    from runtime.stages import build_chunk
+    from runtime.stages import build_chunk, layer_ranges
     from sim.schedules import build_schedule
     from tests.test_runtime_model import batches
 
@@ -114,7 +114,7 @@ def _zbv_one_rank(offload_weights):
     cpu = torch.device("cpu")
     sched = build_schedule("zbv", 1, 4, 2)  # one rank holding both chunks of the V
     torch.manual_seed(0)
-    chunks = {s: build_chunk(args, s, 2, cpu) for s in range(2)}
+    chunks = {s: build_chunk(args, s, layer_ranges([2, 2]), cpu) for s in range(2)}
     p2p = P2P(sched, 0, (2, args.seq_len, args.dim), torch.float32, cpu)
     ex = PipelineExecutor(sched, 0, chunks, p2p, cpu, offload_weights=offload_weights, weight_lookahead=1)
     traces = [ex.run_step(batches(4, step)) for step in range(2)]  # two steps: the host copy is refreshed
