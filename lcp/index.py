@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from lcp import fileformat, ranking
+from lcp import engine, fileformat, ranking
 from lcp.errors import LCPError
 from lcp.limits import check_results
 from lcp.ranking import LCPTopK
@@ -120,6 +120,8 @@ class LCPIndex:
         self.cols = words.t().contiguous()  # (W, N): each word position contiguous, for searchsorted
         self.adj = _adjacent_lcps(words, lengths, fmt)  # (N - 1,)
         self.tree = SmallestIds(ids)
+        self._engine: engine.CPUEngine | None = None
+        self.engine = "numba" if self.device.type == "cpu" and engine.kernel() is not None else "torch"
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
@@ -180,9 +182,29 @@ class LCPIndex:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the index: packed rows, ids, lengths (if any), adjacent LCPs and the id tree."""
+        """Bytes held by the index: packed rows, ids, lengths (if any), adjacent LCPs, the id tree and, with
+        the compiled engine, its bucket table."""
         held = [self.cols, self.ids, self.adj] + ([self.lengths] if self.lengths is not None else [])
-        return sum(t.numel() * t.element_size() for t in held) + self.tree.nbytes
+        table = self._engine.nbytes if self._engine is not None else 0
+        return sum(t.numel() * t.element_size() for t in held) + self.tree.nbytes + table
+
+    @property
+    def engine(self) -> str:
+        """What answers `topk`: "numba" (the compiled CPU kernel, lcp/kernel.py) or "torch" (tensor ops;
+        CUDA, or a CPU without numba). Both give the same answers; set it to compare them."""
+        return "numba" if self._engine is not None else "torch"
+
+    @engine.setter
+    def engine(self, name: str) -> None:
+        if name == "torch":
+            self._engine = None
+        elif name != "numba":
+            raise LCPError(f"engine must be 'numba' or 'torch', got {str(name)[:40]!r}")
+        elif self.device.type != "cpu" or engine.kernel() is None:
+            why = "numba is not installed (pip install pipeplan[lcp])" if engine.kernel() is None else "CUDA"
+            raise LCPError(f"the numba engine runs on CPU indexes with numba installed; here: {why}")
+        elif self._engine is None:
+            self._engine = engine.CPUEngine(self, engine.kernel())
 
     # ---- queries ------------------------------------------------------------------------------------
     def topk(self, queries: torch.Tensor, k: int, query_lengths: torch.Tensor | None = None) -> LCPTopK:
@@ -192,6 +214,8 @@ class LCPIndex:
         dtype matches nothing.
         """
         k = check_k(k)
+        if self._engine is not None:
+            return self._engine.topk(queries, k, query_lengths, self.direct_cap)
         queries, query_lengths, single = as_batch(queries, query_lengths)
         check_results(queries.shape[0] if isinstance(queries, torch.Tensor) and queries.dim() else 1, k)
         qw, qlen = prepare_queries(queries, query_lengths, self.fmt, self.device)

@@ -65,6 +65,15 @@ class SmallestIds:
             stored = vals.clamp(max=self.pad).to(ids.dtype) if direct else local
             self.levels.append(stored if direct else stored.to(_offset_dtype(size)))
             self.holds_ids.append(direct)
+        # the id levels in one array (the compiled kernel takes one table and a start row per level)
+        big = [lvl for lvl, held in zip(self.levels, self.holds_ids, strict=True) if held]
+        self.id_rows = torch.cat(big) if big else ids.new_zeros((0, CAP))  # (sum of nodes, CAP)
+        starts = [0]
+        for j, held in enumerate(self.holds_ids):
+            if held:
+                self.levels[j] = self.id_rows[starts[-1] : starts[-1] + self.levels[j].shape[0]]
+                starts.append(starts[-1] + self.levels[j].shape[0])
+        self.id_row_starts = starts[:-1]  # first row in id_rows of each id level, bottom up
 
     @property
     def nbytes(self) -> int:

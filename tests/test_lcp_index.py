@@ -11,13 +11,24 @@ import torch
 
 from lcp import LCPIndex
 from lcp.baselines import FullScan, Pairwise
+from lcp.engine import kernel
 from lcp.trie import Trie
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+# the two ways an index answers: the compiled CPU kernel (needs numba) and the torch ops (CPU and CUDA)
+ENGINES = [pytest.param("numba", marks=pytest.mark.skipif(kernel() is None, reason="needs numba")), "torch"]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+
+def build(rows, lengths=None, device="cpu", engine="torch"):
+    """LCPIndex.build answering through `engine` (the numba kernel exists on CPU only: skip it elsewhere)."""
+    if engine == "numba" and device != "cpu":
+        pytest.skip("the numba engine is CPU-only")
+    index = LCPIndex.build(rows, lengths, device=device)
+    index.engine = engine
+    return index
 
 
 def brute_force(rows, lengths, queries, query_lengths, k):
@@ -81,10 +92,11 @@ def assert_topk(method, queries, query_lengths, k, want, device="cpu"):
     assert torch.equal(lcps.cpu(), want[1]), f"lcps differ:\n{lcps}\n{want[1]}"
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variable", [False, True])
-def test_every_dtype_matches_brute_force(dtype, variable, device):
+def test_every_dtype_matches_brute_force(dtype, variable, device, engine):
     g = torch.Generator().manual_seed(DTYPES.index(dtype) * 2 + variable)
     for trial in range(6):
         n = int(torch.randint(1, 80, (1,), generator=g))
@@ -94,9 +106,9 @@ def test_every_dtype_matches_brute_force(dtype, variable, device):
         rows, lengths, queries, qls = random_case(g, n, length, alphabet, dtype, variable, query_len=qlen)
         k = int(torch.randint(1, n + 6, (1,), generator=g))  # includes k > N
         want = expected(rows, lengths, queries, qls, k)
-        index = LCPIndex.build(rows, lengths if variable else None, device=device)
+        index = build(rows, lengths if variable else None, device, engine)
         assert_topk(index, queries, qls, k, want, device)
-        index.direct_cap = 0  # force the sparse-table tie-break path
+        index.direct_cap = 0  # force the tree tie-break path
         assert_topk(index, queries, qls, k, want, device)
 
 
@@ -115,8 +127,9 @@ def _duplicates(g):
         ("extreme int64", lambda g: torch.tensor([[-(2**63), 2**63 - 1], [2**63 - 1, -(2**63)], [0, -1]] * 40)),
     ],
 )
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_adversarial_rows(name, make, device):
+def test_adversarial_rows(name, make, device, engine):
     g = torch.Generator().manual_seed(7)
     rows = make(g)
     n, length = rows.shape
@@ -126,22 +139,24 @@ def test_adversarial_rows(name, make, device):
     qls = torch.tensor([length, length // 2, 0, 1, length, 3, length, 2, length]).clamp(max=length)
     for k in (1, 5, 64, n + 3):
         want = expected(rows, lengths, queries, qls, k)
-        index = LCPIndex.build(rows, lengths if variable else None, device=device)
+        index = build(rows, lengths if variable else None, device, engine)
         assert_topk(index, queries, qls, k, want, device)
         index.direct_cap = 0
         assert_topk(index, queries, qls, k, want, device)
 
 
-def test_query_tokens_outside_the_index_dtype_match_nothing():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_query_tokens_outside_the_index_dtype_match_nothing(engine):
     rows = torch.tensor([[1, 2, 3], [1, 2, 255], [0, 0, 0]], dtype=torch.uint8)
     queries = torch.tensor([[1, 2, 300], [-1, 2, 3], [1, 2, 255]])  # int64 queries on a uint8 index
-    got = LCPIndex.build(rows).topk(queries, 3)
+    got = build(rows, engine=engine).topk(queries, 3)
     ids, lcps = got.ids, got.lcps
     assert ids.tolist() == [[0, 1, 2], [0, 1, 2], [1, 0, 2]]
     assert lcps.tolist() == [[2, 2, 0], [0, 0, 0], [3, 2, 0]]
 
 
-def test_medium_sizes_and_baselines_agree_with_brute_force():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_medium_sizes_and_baselines_agree_with_brute_force(engine):
     g = torch.Generator().manual_seed(11)
     cases = [
         (3000, 12, 2, torch.uint8, True),  # many rows share word 0: binary searches span many fences
@@ -154,7 +169,7 @@ def test_medium_sizes_and_baselines_agree_with_brute_force():
         rows, lengths, queries, qls = random_case(g, n, length, alphabet, dtype, variable, batch=40)
         built = lengths if variable else None
         methods = [
-            LCPIndex.build(rows, built),
+            build(rows, built, engine=engine),
             FullScan.build(rows, built),
             Pairwise.build(rows, built, budget_bytes=1 << 30),
         ] + ([Trie.build(rows, built, k_max=40)] if dtype != torch.int64 else [])
@@ -164,19 +179,21 @@ def test_medium_sizes_and_baselines_agree_with_brute_force():
                 assert_topk(method, queries, qls, k, want)
 
 
-def test_large_duplicate_groups_use_the_sparse_table():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_large_duplicate_groups_use_the_tree(engine):
     g = torch.Generator().manual_seed(3)
     rows = torch.randint(0, 2, (20_000, 4), generator=g).to(torch.uint8)  # 16 distinct rows, ~1250 each
     queries = torch.randint(0, 2, (16, 4), generator=g).to(torch.uint8)
     qls = torch.tensor([4, 3, 2, 1] * 4)
     want = torch_brute_force(rows, torch.full((20_000,), 4), queries, qls, 25)
-    assert_topk(LCPIndex.build(rows), queries, qls, 25, want)
+    assert_topk(build(rows, engine=engine), queries, qls, 25, want)
 
 
-def test_results_are_deterministic_and_ordered():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_results_are_deterministic_and_ordered(engine):
     g = torch.Generator().manual_seed(5)
     rows, _, queries, qls = random_case(g, 2000, 8, 3, batch=30)
-    index = LCPIndex.build(rows)
+    index = build(rows, engine=engine)
     a, b = index.topk(queries, 17, qls), index.topk(queries, 17, qls)
     assert torch.equal(a.ids, b.ids) and torch.equal(a.lcps, b.lcps)
     ids, lcps = a.ids, a.lcps
@@ -185,12 +202,14 @@ def test_results_are_deterministic_and_ordered():
     assert (ids[:, :-1][ties] < ids[:, 1:][ties]).all()
 
 
-def test_save_load_roundtrip(tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_save_load_roundtrip(tmp_path, engine):
     g = torch.Generator().manual_seed(2)
     rows, lengths, queries, qls = random_case(g, 500, 10, 4, torch.int16, variable=True, batch=12)
-    index = LCPIndex.build(rows, lengths)
+    index = build(rows, lengths, engine=engine)
     index.save(tmp_path / "rows.lcp")
     loaded = LCPIndex.load(tmp_path / "rows.lcp")
+    loaded.engine = engine
     assert loaded.n == 500 and loaded.length == 10 and loaded.nbytes == index.nbytes
     for k in (1, 7, 600):
         got, want = loaded.topk(queries, k, qls), index.topk(queries, k, qls)

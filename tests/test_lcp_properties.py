@@ -9,10 +9,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lcp import LCPIndex, LCPTopK
+from lcp import LCPTopK
 from lcp.bytes_baselines import MarisaTrie, NumpySorted
 from lcp.smallest import BLOCK, SmallestIds, smallest_by_sort, smallest_direct
-from tests.test_lcp_index import DTYPES, torch_brute_force
+from tests.test_lcp_index import DTYPES, ENGINES, build, torch_brute_force
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -46,11 +46,12 @@ def _expected(rows, lengths, queries, qls, k):
     return torch_brute_force(rows, full, queries, qfull, k)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @SETTINGS
 @given(case=cases(), direct_cap=st.sampled_from([None, 0]))
-def test_index_equals_brute_force(case, direct_cap):
+def test_index_equals_brute_force(engine, case, direct_cap):
     rows, lengths, queries, qls, k = case
-    index = LCPIndex.build(rows, lengths)
+    index = build(rows, lengths, engine=engine)
     index.direct_cap = direct_cap  # 0: every tie range wider than k goes through the tree
     got = index.topk(queries, k, qls)
     want_ids, want_lcps = _expected(rows, lengths, queries, qls, k)
@@ -95,21 +96,23 @@ def test_smallest_ids_of_any_range(n, count, seed, sorted_ids):
         assert torch.equal(tree.smallest(lo, hi, count, (width // BLOCK).bit_length()), want)
 
 
-def test_tie_set_larger_than_every_cap_and_k_above_the_tree():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_tie_set_larger_than_every_cap_and_k_above_the_tree(engine):
     """3,000 identical rows and k up to 2,500 (> the tree's 1,024): the smallest ids, in order."""
     rows = torch.cat([torch.full((3000, 4), 7, dtype=torch.uint8), torch.zeros((50, 4), dtype=torch.uint8)])
     rows = rows[torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(1))]
     queries = torch.tensor([[7, 7, 7, 7], [7, 7, 0, 0], [0, 0, 0, 1]], dtype=torch.uint8)
-    index = LCPIndex.build(rows)
+    index = build(rows, engine=engine)
     for k in (1, 10, 1000, 1024, 1025, 2500, 3100):
         want_ids, want_lcps = _expected(rows, None, queries, None, k)
         got = index.topk(queries, k)
         assert torch.equal(got.ids, want_ids) and torch.equal(got.lcps, want_lcps), k
 
 
-def test_api_named_result_single_query_len_repr():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_api_named_result_single_query_len_repr(engine):
     rows = torch.tensor([[1, 2, 3], [1, 2, 4], [9, 9, 9], [1, 2, 3]], dtype=torch.uint8)
-    index = LCPIndex.build(rows)
+    index = build(rows, engine=engine)
     top = index.topk(torch.tensor([1, 2, 4], dtype=torch.uint8), 3)  # one query, 1-D
     assert top.lcps.tolist() == [3, 2, 2] and top.ids.tolist() == [1, 0, 3]
     lcps, ids = top  # unpacks like torch.topk's (values, indices)

@@ -1,0 +1,111 @@
+"""The CPU engine of `LCPIndex`: the compiled kernel (lcp/kernel.py) over numpy views of the index's tensors.
+
+numba is optional (`pip install pipeplan[lcp]`): without it, or on CUDA, the index answers with its torch
+ops (lcp/index.py). With it, a query batch is one call into the kernel after a light check and packing of
+the queries — no torch ops beyond reading the inputs — so a single query costs microseconds, not the
+~60 tensor operations of the torch path.
+
+The engine adds one structure to the index, rebuilt whenever an index is built or loaded: a bucket table
+over the top `bucket_bits(N)` bits of the first packed word, `starts[b]` = first sorted row in bucket b
+(2^bits + 1 entries, int32 below 2^31 rows; bits = bit_length(N) − 4 in [2, 20]: 8–16 rows per bucket,
+0.25–0.5 bytes per row). Every binary search on the first words starts inside one bucket.
+
+Compiled code is cached on disk by numba (`cache=True`): next to lcp/kernel.py in `__pycache__` when that
+is writable, else in the user's cache directory (`~/.cache/numba`), or under $NUMBA_CACHE_DIR when set; if
+none is writable the kernel compiles in memory once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from lcp.limits import check_results
+from lcp.ranking import LCPTopK
+from lcp.tokens import as_batch, check_lengths, check_rows
+
+if TYPE_CHECKING:
+    from lcp.index import LCPIndex
+
+BUCKET_BITS_MAX = 20  # 2^20 + 1 int32 entries = 4 MiB at most, reached from N = 16M rows on
+BUCKET_ROWS_BITS = 4  # bit_length(N) - 4: about N / 8 to N / 16 buckets (8-16 rows each)
+# tree levels 1-4 (nodes of 128 .. 1,024 positions) store offsets: (level, dtype, entries per node), as
+# lcp/smallest.py builds them
+OFFSET_LEVELS = ((1, np.uint8, 128), (2, np.uint8, 256), (3, np.int16, 512), (4, np.int16, 1024))
+
+
+@functools.cache
+def kernel() -> ModuleType | None:
+    """lcp.kernel, compiled on first use; None when numba is not importable."""
+    try:
+        from lcp import kernel as module
+    except ImportError:
+        return None
+    return module
+
+
+def bucket_bits(n: int) -> int:
+    return max(2, min(BUCKET_BITS_MAX, n.bit_length() - BUCKET_ROWS_BITS))
+
+
+def bucket_starts(first_words: torch.Tensor, bits: int) -> torch.Tensor:
+    """starts [2^bits + 1]: first sorted position whose first word's top `bits` bits (as an unsigned
+    bucket number: arithmetic shift plus 2^(bits-1), monotone in the signed word) are >= b."""
+    n = first_words.shape[0]
+    buckets = (first_words >> (64 - bits)) + (1 << (bits - 1))  # (N,) non-decreasing
+    edges = torch.arange((1 << bits) + 1, dtype=torch.int64, device=first_words.device)
+    return torch.searchsorted(buckets, edges).to(torch.int32 if n < 2**31 else torch.int64)
+
+
+class CPUEngine:
+    """Numpy views of one CPU index plus its bucket table; `topk` runs the kernel."""
+
+    def __init__(self, index: LCPIndex, module: ModuleType) -> None:
+        self.kernel, self.index = module, index
+        fmt, tree = index.fmt, index.tree
+        self.bits = bucket_bits(index.n)
+        self.starts = bucket_starts(index.cols[0], self.bits)
+        self.cols, self.ids, self.adj = index.cols.numpy(), index.ids.numpy(), index.adj.numpy()
+        lengths = index.lengths
+        self.lengths = lengths.numpy() if lengths is not None else np.zeros(0, self.adj.dtype)
+        def offsets(j: int, dtype: type, width: int) -> np.ndarray:  # levels 1-4 hold offsets, if present
+            return tree.levels[j].numpy() if j < len(tree.levels) else np.zeros((0, width), dtype)
+
+        self.offset_levels = [offsets(j, dt, w) for j, dt, w in OFFSET_LEVELS]
+        self.id_rows = tree.id_rows.numpy()
+        self.id_starts = np.asarray(tree.id_row_starts, dtype=np.int64)
+        self.fmt = fmt
+
+    @property
+    def nbytes(self) -> int:
+        return self.starts.numel() * self.starts.element_size()
+
+    def topk(self, queries: object, k: int, query_lengths: object, direct_cap: int | None) -> LCPTopK:
+        """LCPTopK of queries [B, L'] (or one query [L']) of any integer dtype; see LCPIndex.topk."""
+        queries, query_lengths, single = as_batch(queries, query_lengths)
+        check_rows(queries, "queries")
+        b, width = queries.shape
+        check_results(b, k)
+        q = np.ascontiguousarray(queries.detach().cpu().numpy(), dtype=np.int64)
+        if query_lengths is None:
+            qlen = np.full(b, width, dtype=np.int64)
+        else:
+            lens = check_lengths(query_lengths, b, width, "query_lengths")
+            qlen = np.ascontiguousarray(lens.cpu().numpy(), dtype=np.int64)
+        fmt, kern = self.fmt, self.kernel
+        qw, qlen = kern.pack_queries(q, qlen, fmt.length, fmt.bits, fmt.lo, fmt.hi, fmt.words)
+        lcps = np.full((b, k), -1, dtype=np.int64)
+        ids = np.full((b, k), -1, dtype=np.int64)
+        lev1, lev2, lev3, lev4 = self.offset_levels
+        kern.topk(
+            self.cols, self.ids, self.adj, self.lengths, self.index.lengths is not None, fmt.length,
+            fmt.per_word, fmt.bits, self.starts.numpy(), 64 - self.bits, 1 << (self.bits - 1),
+            lev1, lev2, lev3, lev4, self.id_rows, self.id_starts, -1 if direct_cap is None else direct_cap,
+            qw, qlen, k, lcps, ids,
+        )  # fmt: skip
+        top = LCPTopK(torch.from_numpy(lcps), torch.from_numpy(ids))
+        return LCPTopK(top.lcps[0], top.ids[0]) if single else top
