@@ -98,14 +98,14 @@ class CPUEngine:
             qlen = np.ascontiguousarray(lens.cpu().numpy(), dtype=np.int64)
         fmt, kern = self.fmt, self.kernel
         qw, qlen = kern.pack_queries(q, qlen, fmt.length, fmt.bits, fmt.lo, fmt.hi, fmt.words)
-        lcps = np.full((b, k), -1, dtype=np.int64)
-        ids = np.full((b, k), -1, dtype=np.int64)
+        lcps = np.empty((b, k), dtype=np.int64)  # the kernel writes every entry
+        ids = np.empty((b, k), dtype=np.int64)
         lev1, lev2, lev3, lev4 = self.offset_levels
         kern.topk(
             self.cols, self.ids, self.adj, self.lengths, self.index.lengths is not None, fmt.length,
             fmt.per_word, fmt.bits, self.starts.numpy(), 64 - self.bits, 1 << (self.bits - 1),
             lev1, lev2, lev3, lev4, self.id_rows, self.id_starts, -1 if direct_cap is None else direct_cap,
-            qw, qlen, k, lcps, ids,
+            qw, qlen, np.argsort(qw[:, 0], kind="stable"), k, lcps, ids,
         )  # fmt: skip
         top = LCPTopK(torch.from_numpy(lcps), torch.from_numpy(ids))
         return LCPTopK(top.lcps[0], top.ids[0]) if single else top

@@ -32,6 +32,7 @@ from numba.cpython.unsafe.numbers import leading_zeros
 
 BLOCK = 64  # as lcp/smallest.py: positions per leaf block
 CAP = 1024  # entries per tree node: the merge answers k <= CAP
+SMALL = 32  # arrays up to this size are insertion-sorted
 WALK = 64  # rows walked beyond the k-th on each side before the range's end is searched instead
 _MAX = np.iinfo(np.int64).max
 _SIGN = np.uint64(1 << 63)
@@ -159,15 +160,56 @@ def _lcp(cols, lengths, has_len, j, q, ql, per_word, bits):
 
 
 @_jit
-def _select(a, m, count):
-    """Put the `count` smallest of a[:m] (distinct) in a[:count], ascending (quickselect, then a sort)."""
+def _sort(a, m, tmp, counts):
+    """Sort a[:m] (non-negative int64) in place: insertion sort up to SMALL, else an LSD radix sort by
+    bytes of value − min, skipping bytes all values share (no data-dependent branches to mispredict)."""
+    if m <= SMALL:
+        for i in range(1, m):
+            v, j = a[i], i - 1
+            while j >= 0 and a[j] > v:
+                a[j + 1] = a[j]
+                j -= 1
+            a[j + 1] = v
+        return
+    low, high = a[0], a[0]
+    for i in range(1, m):
+        low, high = min(low, a[i]), max(high, a[i])
+    src, dst, flipped, shift = a, tmp, False, 0
+    while ((high - low) >> shift) > 0:
+        counts[:] = 0
+        for i in range(m):
+            counts[((src[i] - low) >> shift) & 255] += 1
+        if counts[((src[0] - low) >> shift) & 255] < m:  # else every value has this byte: nothing to move
+            total = 0
+            for b in range(256):
+                c = counts[b]
+                counts[b] = total
+                total += c
+            for i in range(m):
+                v = src[i]
+                d = ((v - low) >> shift) & 255
+                dst[counts[d]] = v
+                counts[d] += 1
+            src, dst, flipped = dst, src, not flipped
+        shift += 8
+    if flipped:
+        a[:m] = tmp[:m]
+
+
+@_jit
+def _smallest(a, m, count, tmp, counts):
+    """Put the `count` smallest of a[:m] (distinct) in a[:count], ascending: a quickselect first when
+    m is well above count, then a sort of the count."""
+    if m <= 2 * count:
+        _sort(a, m, tmp, counts)
+        return
     lo, hi, target = 0, m - 1, count - 1
-    budget = 64  # partition rounds before a plain sort of what is left (guards against bad pivots)
-    while hi > lo and budget > 0:
-        budget -= 1
+    for _ in range(64):  # partition rounds (median-of-three pivots); a bad run ends in a sort below
+        if hi <= lo:
+            break
         mid = (lo + hi) >> 1
         x, y, z = a[lo], a[mid], a[hi]
-        pivot = max(min(x, y), min(max(x, y), z))  # median of three
+        pivot = max(min(x, y), min(max(x, y), z))
         i, j = lo, hi
         while i <= j:
             while a[i] < pivot:
@@ -183,10 +225,9 @@ def _select(a, m, count):
         elif target >= i:
             lo = i
         else:
-            break
-    if hi > lo and budget == 0:
-        a[lo : hi + 1].sort()
-    a[:count].sort()
+            hi = lo  # the target sits between j and i: a[:count] holds the count smallest
+    # a[:lo] < a[lo:hi+1] < a[hi+1:], target in [lo, hi]: sorting a[:max(hi+1, count)] finishes it
+    _sort(a, max(hi + 1, count), tmp, counts)
 
 
 @_jit
@@ -206,9 +247,9 @@ def _tree_value(kind, node, idx, ids, lev1, lev2, lev3, lev4, id_rows, row0, uns
 
 
 @_jit
-def _tree_smallest(lo, hi, count, ids, lev1, lev2, lev3, lev4, id_rows, id_starts, excl, n_excl, out, unsorted,
-                   kinds, nodes, rows0, lens, heads, cursor):
-    """out[:count - n_excl] = the smallest ids of [lo, hi) not in excl[:n_excl] (sorted), ascending.
+def _tree_smallest(lo, hi, count, ids, lev1, lev2, lev3, lev4, id_rows, id_starts, out, unsorted,
+                   kinds, nodes, rows0, lens, heads, cursor, tmp, counts):
+    """out[:count] = the `count` smallest ids of [lo, hi) (hi - lo >= count), ascending.
 
     [lo, hi) is cut as a segment tree: two partial blocks plus whole blocks and at most two nodes per
     level; the count smallest ids are among the blocks' ids and each node's first min(count, stored)."""
@@ -258,14 +299,14 @@ def _tree_smallest(lo, hi, count, ids, lev1, lev2, lev3, lev4, id_rows, id_start
             n_lists += 1
         left >>= 1
         right >>= 1
-    unsorted[:nu].sort()
+    _sort(unsorted, nu, tmp, counts)
     kinds[0], nodes[0], rows0[0], lens[0] = 0, 0, 0, nu
     for li in range(n_lists):
         cursor[li] = 0
         heads[li] = _tree_value(kinds[li], nodes[li], 0, ids, lev1, lev2, lev3, lev4, id_rows, rows0[li],
                                 unsorted) if lens[li] > 0 else _MAX
-    need, got, e = count - n_excl, 0, 0
-    while got < need:
+    got = 0
+    while got < count:
         best, at = _MAX, 0
         for li in range(n_lists):
             if heads[li] < best:
@@ -276,34 +317,59 @@ def _tree_smallest(lo, hi, count, ids, lev1, lev2, lev3, lev4, id_rows, id_start
         c = cursor[at]
         heads[at] = _tree_value(kinds[at], nodes[at], c, ids, lev1, lev2, lev3, lev4, id_rows, rows0[at],
                                 unsorted) if c < lens[at] else _MAX
-        while e < n_excl and excl[e] < best:
-            e += 1
-        if e < n_excl and excl[e] == best:
-            continue
         out[got] = best
         got += 1
 
 
 @_jit
+def _emit(src, m, skip, n_skip, row, start, stop):
+    """row[start:stop] = the first values of src[:m] not in skip[:n_skip] (both ascending)."""
+    e, t = 0, start
+    for c in range(m):
+        if t == stop:
+            break
+        v = src[c]
+        while e < n_skip and skip[e] < v:
+            e += 1
+        if e < n_skip and skip[e] == v:
+            continue
+        row[t] = v
+        t += 1
+
+
+@_jit
 def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift, half,
-         lev1, lev2, lev3, lev4, id_rows, id_starts, direct_cap, qw, qlen, k, out_lcps, out_ids):
-    """Fill out_lcps / out_ids [B, >= min(k, N)] (pre-filled with -1) with each query's exact top-k."""
+         lev1, lev2, lev3, lev4, id_rows, id_starts, direct_cap, qw, qlen, order, k, out_lcps, out_ids):
+    """Fill out_lcps / out_ids [B, >= min(k, N)] (pre-filled with -1) with each query's exact top-k.
+
+    Queries are visited in `order` (sorted by first word: neighbours in the sorted rows, so that the
+    searches share cache lines and consecutive queries often share their tie range, whose smallest ids
+    are then computed once)."""
     n, words = cols.shape[1], cols.shape[0]
     kk = min(k, n)
     left_lcp = np.empty(kk, np.int64)
     right_lcp = np.empty(kk, np.int64)
     keys = np.empty(kk, np.int64)
-    excl = np.empty(kk, np.int64)
     masks = np.empty(words, np.int64)
     full = np.full(words, -1, np.int64)
-    ties = np.empty(kk, np.int64)
-    buf = np.empty(max(8 * kk, 512), np.int64)
+    buf = np.empty(max(8 * kk, 512), np.int64)  # a tie range's ids (grows for k > CAP)
+    tmp = np.empty(max(8 * kk, 512), np.int64)  # the radix sort's other half
+    counts = np.empty(256, np.int64)
     max_lists = 2 * (6 + id_starts.shape[0]) + 1
     unsorted = np.empty(4 * BLOCK, np.int64)
     kinds, nodes, rows0 = np.empty(max_lists, np.int64), np.empty(max_lists, np.int64), np.empty(max_lists, np.int64)
     lens, heads, cursor = np.empty(max_lists, np.int64), np.empty(max_lists, np.int64), np.empty(max_lists, np.int64)
     cap = direct_cap if direct_cap >= 0 else max(8 * kk, 512)
-    for i in range(qw.shape[0]):
+    id_bits = 1
+    while (np.int64(1) << id_bits) < n:  # keys (L - lcp) << id_bits | id: shifts, not divisions by N
+        id_bits += 1
+    id_mask = (np.int64(1) << id_bits) - 1
+    cached = np.empty(kk, np.int64)  # the smallest ids of the last tie range: queries in `order` share it
+    cached_lo, cached_hi = -1, -1
+    above = np.empty(kk, np.int64)  # every id of the last S_{d*+1}, ascending
+    above_lo, above_hi = -1, -1
+    inner = np.empty(kk, np.int64)  # ids of the rows deeper than d* + 1, ascending
+    for i in order:
         q, ql = qw[i], qlen[i]
         p = _search(cols, starts, shift, half, lengths, has_len, q, full, ql, False)
         cl = _lcp(cols, lengths, has_len, p - 1, q, ql, per_word, bits) if p > 0 else -1
@@ -321,36 +387,49 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
                 d = cr
                 nr += 1
                 cr = min(cr, np.int64(adj[p + nr - 1])) if p + nr < n else -1
-        gt_l, gt_r = 0, 0
+        gt_l, gt_r, in_l, in_r = 0, 0, 0, 0  # rows above d*, and above d* + 1, on each side
         while gt_l < nl and left_lcp[gt_l] > d:
             gt_l += 1
         while gt_r < nr and right_lcp[gt_r] > d:
             gt_r += 1
-        n_above = gt_l + gt_r
-        # the rows above d*, ranked by (LCP desc, id asc)
-        for t in range(gt_l):
-            keys[t] = (length - left_lcp[t]) * n + ids[p - 1 - t]
-        for t in range(gt_r):
-            keys[gt_l + t] = (length - right_lcp[t]) * n + ids[p + t]
-        keys[:n_above].sort()
-        for t in range(n_above):
-            out_lcps[i, t] = length - keys[t] // n
-            out_ids[i, t] = keys[t] % n
-            excl[t] = keys[t] % n
+        while in_l < gt_l and left_lcp[in_l] > d + 1:
+            in_l += 1
+        while in_r < gt_r and right_lcp[in_r] > d + 1:
+            in_r += 1
+        n_above, n_in = gt_l + gt_r, in_l + in_r
+        for t in range(kk, k):
+            out_lcps[i, t] = -1
+            out_ids[i, t] = -1
+        # 1. rows deeper than d* + 1 (few, as a rule): by the key (L - lcp) << id_bits | id
+        for t in range(in_l):
+            keys[t] = ((length - left_lcp[t]) << id_bits) | ids[p - 1 - t]
+        for t in range(in_r):
+            keys[in_l + t] = ((length - right_lcp[t]) << id_bits) | ids[p + t]
+        _sort(keys, n_in, tmp, counts)
+        for t in range(n_in):
+            out_lcps[i, t] = length - (keys[t] >> id_bits)
+            out_ids[i, t] = inner[t] = keys[t] & id_mask
+        _sort(inner, n_in, tmp, counts)
+        # 2. rows at d* + 1: every id of S_{d*+1} = [p - gt_l, p + gt_r) ascending, less those of step 1
+        if n_above > 0:
+            if p - gt_l != above_lo or p + gt_r != above_hi:  # neighbouring queries often share it
+                above_lo, above_hi = p - gt_l, p + gt_r
+                for pos in range(above_lo, above_hi):
+                    above[pos - above_lo] = ids[pos]
+                _sort(above, n_above, tmp, counts)
+            _emit(above, n_above, inner, n_in, out_ids[i], n_in, n_above)
+        for t in range(n_in, n_above):
+            out_lcps[i, t] = d + 1
         for t in range(n_above, kk):
             out_lcps[i, t] = d
-        need = kk - n_above
-        if d == 0:  # S_0 is every row: the smallest ids overall, less those above
-            excl[:n_above].sort()
+        # 3. rows at d*: the smallest ids of S_{d*}, less those of S_{d*+1}
+        if d == 0:  # S_0 is every row: ids 0, 1, 2, ...
             e, v = 0, 0
             for t in range(n_above, kk):
-                while True:
-                    while e < n_above and excl[e] < v:
-                        e += 1
-                    if e < n_above and excl[e] == v:
+                while e < n_above and above[e] <= v:
+                    if above[e] == v:
                         v += 1
-                        continue
-                    break
+                    e += 1
                 out_ids[i, t] = v
                 v += 1
             continue
@@ -372,24 +451,16 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
                 lo = _search(cols, starts, shift, half, lengths, has_len, q, masks, d, False)
             if cr >= d:
                 hi = _search(cols, starts, shift, half, lengths, has_len, q, masks, d, True)
-        a, z = p - gt_l, p + gt_r  # S_{d*+1}, inside [lo, hi)
-        if hi - lo <= cap or kk > CAP:  # read the range's ids
-            m = hi - lo - n_above
-            if m > buf.shape[0]:
-                buf = np.empty(m, np.int64)
-            c = 0
-            for pos in range(lo, a):
-                buf[c] = ids[pos]
-                c += 1
-            for pos in range(z, hi):
-                buf[c] = ids[pos]
-                c += 1
-            _select(buf, m, need)
-            for t in range(need):
-                out_ids[i, n_above + t] = buf[t]
-        else:  # the tree: a k-way merge over O(log) sorted lists
-            excl[:n_above].sort()
-            _tree_smallest(lo, hi, kk, ids, lev1, lev2, lev3, lev4, id_rows, id_starts, excl, n_above, ties,
-                           unsorted, kinds, nodes, rows0, lens, heads, cursor)
-            for t in range(need):
-                out_ids[i, n_above + t] = ties[t]
+        if lo != cached_lo or hi != cached_hi:  # the kk smallest ids of [lo, hi), ascending
+            cached_lo, cached_hi = lo, hi
+            if hi - lo <= cap or kk > CAP:  # read the range's ids
+                if hi - lo > buf.shape[0]:
+                    buf, tmp = np.empty(hi - lo, np.int64), np.empty(hi - lo, np.int64)
+                for pos in range(lo, hi):
+                    buf[pos - lo] = ids[pos]
+                _smallest(buf, hi - lo, kk, tmp, counts)
+                cached[:] = buf[:kk]
+            else:  # the tree: a k-way merge over O(log) sorted lists
+                _tree_smallest(lo, hi, kk, ids, lev1, lev2, lev3, lev4, id_rows, id_starts, cached,
+                               unsorted, kinds, nodes, rows0, lens, heads, cursor, tmp, counts)
+        _emit(cached, kk, above, n_above, out_ids[i], n_above, kk)
