@@ -61,24 +61,39 @@ def bucket_starts(first_words: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.searchsorted(buckets, edges).to(torch.int32 if n < 2**31 else torch.int64)
 
 
+def _to_numpy_memory(t: torch.Tensor) -> torch.Tensor:
+    """The same array in memory allocated by numpy, which advises the kernel to back arrays of 4 MiB and
+    more with transparent huge pages (torch's CPU allocator does not): the kernel's random reads then
+    miss the TLB far less (measured: k = 1 at N = 5M, 0.67 -> 0.49 us per query, same run)."""
+    return torch.from_numpy(np.array(t.numpy(), copy=True))
+
+
 class CPUEngine:
-    """Numpy views of one CPU index plus its bucket table; `topk` runs the kernel."""
+    """Numpy views of one CPU index plus its bucket table; `topk` runs the kernel.
+
+    On construction the index's arrays move into numpy-allocated memory (huge pages where the system
+    allows them), one array at a time, so that they are not held twice."""
 
     def __init__(self, index: LCPIndex, module: ModuleType) -> None:
-        self.kernel, self.index = module, index
-        fmt, tree = index.fmt, index.tree
+        self.kernel, self.fmt = module, index.fmt
+        tree = index.tree
+        index.cols, index.adj = _to_numpy_memory(index.cols), _to_numpy_memory(index.adj)
+        if index.lengths is not None:
+            index.lengths = _to_numpy_memory(index.lengths)
+        tree.move_arrays(_to_numpy_memory)
+        index.ids = tree.ids
         self.bits = bucket_bits(index.n)
         self.starts = bucket_starts(index.cols[0], self.bits)
         self.cols, self.ids, self.adj = index.cols.numpy(), index.ids.numpy(), index.adj.numpy()
-        lengths = index.lengths
-        self.lengths = lengths.numpy() if lengths is not None else np.zeros(0, self.adj.dtype)
+        self.has_lengths = index.lengths is not None
+        self.lengths = index.lengths.numpy() if index.lengths is not None else np.zeros(0, self.adj.dtype)
+
         def offsets(j: int, dtype: type, width: int) -> np.ndarray:  # levels 1-4 hold offsets, if present
             return tree.levels[j].numpy() if j < len(tree.levels) else np.zeros((0, width), dtype)
 
         self.offset_levels = [offsets(j, dt, w) for j, dt, w in OFFSET_LEVELS]
         self.id_rows = tree.id_rows.numpy()
         self.id_starts = np.asarray(tree.id_row_starts, dtype=np.int64)
-        self.fmt = fmt
 
     @property
     def nbytes(self) -> int:
@@ -102,7 +117,7 @@ class CPUEngine:
         ids = np.empty((b, k), dtype=np.int64)
         lev1, lev2, lev3, lev4 = self.offset_levels
         kern.topk(
-            self.cols, self.ids, self.adj, self.lengths, self.index.lengths is not None, fmt.length,
+            self.cols, self.ids, self.adj, self.lengths, self.has_lengths, fmt.length,
             fmt.per_word, fmt.bits, self.starts.numpy(), 64 - self.bits, 1 << (self.bits - 1),
             lev1, lev2, lev3, lev4, self.id_rows, self.id_starts, -1 if direct_cap is None else direct_cap,
             qw, qlen, np.argsort(qw[:, 0], kind="stable"), k, lcps, ids,

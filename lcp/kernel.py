@@ -28,11 +28,15 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.core.extending import intrinsic
 from numba.cpython.unsafe.numbers import leading_zeros
 
 BLOCK = 64  # as lcp/smallest.py: positions per leaf block
 CAP = 1024  # entries per tree node: the merge answers k <= CAP
 SMALL = 32  # arrays up to this size are insertion-sorted
+AHEAD = 8  # queries ahead whose memory is prefetched: a query's misses overlap the ones before it
 WALK = 64  # rows walked beyond the k-th on each side before the range's end is searched instead
 _MAX = np.iinfo(np.int64).max
 _SIGN = np.uint64(1 << 63)
@@ -44,6 +48,40 @@ def _jit(fn):
         return numba.njit(cache=True, nogil=True)(fn)
     except RuntimeError:  # "cannot cache function ...: no locator available": compile per process
         return numba.njit(nogil=True)(fn)
+
+
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+    """Hint the CPU to fetch the cache line of arr[idx] (1-D; LLVM's llvm.prefetch: read, high locality)."""
+    sig = types.void(arr, types.intp)
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, signature.args[0], array, [args[1]])
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
+        )
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_jit
+def _insertion_points(cols, starts, shift, half, lengths, has_len, qw, qlen, order, out):
+    """out[i] = insertion point of query i, visiting `order`; the bucket entry of the query AHEAD and
+    the first word of the one AHEAD/2 are prefetched, so the searches' misses overlap."""
+    words, b = cols.shape[0], order.shape[0]
+    full = np.full(words, -1, np.int64)
+    col0 = cols[0]
+    for ii in range(b):
+        if ii + AHEAD < b:
+            _prefetch(starts, (qw[order[ii + AHEAD], 0] >> shift) + half)
+        if ii + AHEAD // 2 < b:
+            _prefetch(col0, starts[(qw[order[ii + AHEAD // 2], 0] >> shift) + half])
+        i = order[ii]
+        out[i] = _search(cols, starts, shift, half, lengths, has_len, qw[i], full, qlen[i], False)
 
 
 @_jit
@@ -231,6 +269,25 @@ def _smallest(a, m, count, tmp, counts):
 
 
 @_jit
+def _smallest_in_place(ids, lo, hi, count, out):
+    """out[:count] = the `count` smallest of ids[lo:hi] (hi - lo >= count), ascending: one pass with an
+    insertion into a sorted list of `count` — for small counts, cheaper than copying and selecting."""
+    m = 0
+    for pos in range(lo, hi):
+        v = np.int64(ids[pos])
+        if m == count:
+            if v >= out[m - 1]:
+                continue
+            m -= 1
+        j = m - 1
+        while j >= 0 and out[j] > v:
+            out[j + 1] = out[j]
+            j -= 1
+        out[j + 1] = v
+        m += 1
+
+
+@_jit
 def _tree_value(kind, node, idx, ids, lev1, lev2, lev3, lev4, id_rows, row0, unsorted):
     """Entry idx of one merge list: the partial blocks (kind 0), an offset level (1-4), an id level (5+)."""
     if kind == 0:
@@ -351,7 +408,6 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
     right_lcp = np.empty(kk, np.int64)
     keys = np.empty(kk, np.int64)
     masks = np.empty(words, np.int64)
-    full = np.full(words, -1, np.int64)
     buf = np.empty(max(8 * kk, 512), np.int64)  # a tie range's ids (grows for k > CAP)
     tmp = np.empty(max(8 * kk, 512), np.int64)  # the radix sort's other half
     counts = np.empty(256, np.int64)
@@ -369,9 +425,19 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
     above = np.empty(kk, np.int64)  # every id of the last S_{d*+1}, ascending
     above_lo, above_hi = -1, -1
     inner = np.empty(kk, np.int64)  # ids of the rows deeper than d* + 1, ascending
-    for i in order:
-        q, ql = qw[i], qlen[i]
-        p = _search(cols, starts, shift, half, lengths, has_len, q, full, ql, False)
+    points = np.empty(qw.shape[0], np.int64)
+    _insertion_points(cols, starts, shift, half, lengths, has_len, qw, qlen, order, points)
+    for ii in range(order.shape[0]):
+        if ii + AHEAD < order.shape[0]:  # the rows, adjacent LCPs and ids around a later query's point
+            ahead = max(points[order[ii + AHEAD]] - 1, 0)
+            for w in range(words):
+                _prefetch(cols[w], ahead)
+            for off in (-64, 0, 64):  # the walks read adj about +-64 rows, a tie range's ids as many
+                _prefetch(adj, min(max(ahead + off, 0), adj.shape[0] - 1))
+            for off in (-64, -48, -32, -16, 0, 16, 32, 48, 64):
+                _prefetch(ids, min(max(ahead + off, 0), n - 1))
+        i = order[ii]
+        q, ql, p = qw[i], qlen[i], points[i]
         cl = _lcp(cols, lengths, has_len, p - 1, q, ql, per_word, bits) if p > 0 else -1
         cr = _lcp(cols, lengths, has_len, p, q, ql, per_word, bits) if p < n else -1
         # d*: the kk-th value of the merge of the two non-increasing sides
@@ -453,7 +519,9 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
                 hi = _search(cols, starts, shift, half, lengths, has_len, q, masks, d, True)
         if lo != cached_lo or hi != cached_hi:  # the kk smallest ids of [lo, hi), ascending
             cached_lo, cached_hi = lo, hi
-            if hi - lo <= cap or kk > CAP:  # read the range's ids
+            if kk <= SMALL and hi - lo <= cap:  # one pass, keeping the kk smallest in order
+                _smallest_in_place(ids, lo, hi, kk, cached)
+            elif hi - lo <= cap or kk > CAP:  # read the range's ids
                 if hi - lo > buf.shape[0]:
                     buf, tmp = np.empty(hi - lo, np.int64), np.empty(hi - lo, np.int64)
                 for pos in range(lo, hi):

@@ -23,6 +23,8 @@ so that no call holds more than a few million elements: O(R log R) per query.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 BLOCK = 64  # positions per leaf block: the partial ends of a range are read directly
@@ -78,6 +80,17 @@ class SmallestIds:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.levels if t is not None)
+
+    def move_arrays(self, move: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace every stored array by move(array) (same content; e.g. other memory), keeping the id
+        levels views of one table."""
+        self.ids = move(self.ids)
+        self.id_rows = move(self.id_rows)
+        row = iter(self.id_row_starts)
+        for j, level in enumerate(self.levels):
+            if level is not None:
+                start = next(row) if self.holds_ids[j] else 0
+                self.levels[j] = self.id_rows[start : start + level.shape[0]] if self.holds_ids[j] else move(level)
 
     def _width(self, j: int) -> int:
         level = self.levels[j]
