@@ -258,7 +258,8 @@ def run_bench(cfg: BenchConfig, progress: Callable[[int, int, str], None] | None
 def _bytes_per_query(name: str, method: Any, queries: torch.Tensor, k: int, n: int, sizes: Any) -> float | None:
     """The bytes-touched model (lcp/touched.py) for the methods it covers, else None."""
     if name == "index":
-        return touched.index_bytes(method, queries, k)
+        model = touched.kernel_bytes if method.engine == "numba" else touched.index_bytes
+        return model(method, queries, k)
     if name == "scan":
         return touched.scan_bytes(n, method.fmt.words)
     if name == "numpy" and sizes is not None:

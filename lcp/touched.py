@@ -30,14 +30,50 @@ def _search(n: int) -> int:
 
 
 def index_bytes(index: LCPIndex, queries: torch.Tensor, k: int) -> float:
-    """Mean bytes per query for LCPIndex.topk(queries, k)."""
+    """Mean bytes per query for LCPIndex.topk(queries, k) through its torch ops."""
     n, w, kk = index.n, index.fmt.words, min(k, index.n)
     at = index.explain(queries, kk)
     size = (at.hi - at.lo).double().cpu()
     lines = _search(n) + 2 * w + 2 * _run((kk - 1) * index.adj.element_size())  # insertion, 2 rows, window
     lines = lines + at.searched.double().cpu() * 2 * _search(n)  # S_{d*} bounds beyond the window
     lines = lines + _run((at.gt_l + at.gt_r).double().cpu() * index.ids.element_size())  # ids of S_{d*+1}
-    tree = torch.full_like(size, float(2 * _run((BLOCK - 1) * 4)))  # the tree: two partial blocks
+    direct = _run(size * index.ids.element_size())
+    return float((lines + torch.minimum(direct, _tree_lines(index, size, kk))).mean()) * LINE
+
+
+def kernel_bytes(index: LCPIndex, queries: torch.Tensor, k: int) -> float:
+    """Mean bytes per query for LCPIndex.topk through the compiled kernel (lcp/kernel.py).
+
+    The bucket table's entry and the bucket's first words replace the binary search; adj is walked over
+    the window and on to the ends of S_{d*} (at most WALK rows a side, else two bucket searches); the
+    ids of S_{d*+1}; the ids of S_{d*} read directly up to the kernel's direct cap, else the tree as for
+    the torch path; nothing for d* = 0 (the ids are 0, 1, 2, ...). Ranges shared by neighbouring queries
+    are counted once per query, as if never shared: an upper bound on what the batch brings in.
+    """
+    from lcp.engine import bucket_bits
+    from lcp.kernel import CAP, WALK
+
+    n, w, kk = index.n, index.fmt.words, min(k, index.n)
+    at = index.explain(queries, kk)
+    size = (at.hi - at.lo).double().cpu()
+    bucket_rows = n / 2 ** bucket_bits(n)
+    search = 1 + _run(bucket_rows * 8)  # a table entry, then the bucket's first words
+    walked = torch.clamp(size, max=kk + 2 * WALK)
+    lines = search + 2 * w + _run(walked * index.adj.element_size())
+    lines = lines + (size > kk + 2 * WALK).double() * 2 * search  # the ends of S_{d*}, searched
+    lines = lines + _run((at.gt_l + at.gt_r).double().cpu() * index.ids.element_size())  # ids of S_{d*+1}
+    cap = max(8 * kk, 512) if index.direct_cap is None else index.direct_cap
+    direct = _run(size * index.ids.element_size())
+    tree = _tree_lines(index, size, kk)
+    ties = torch.where((size <= cap) | (kk > CAP), direct, tree)
+    ties = torch.where(at.d.cpu() == 0, 0.0, ties)
+    return float((lines + ties).mean()) * LINE
+
+
+def _tree_lines(index: LCPIndex, size: torch.Tensor, kk: int) -> torch.Tensor:
+    """Lines the tree's read of a range of `size` positions brings in: two partial blocks, then up to two
+    nodes per level (their first min(kk, stored) entries, and for offset levels the ids they point at)."""
+    tree = torch.full_like(size, float(2 * _run((BLOCK - 1) * 4)))
     levels = torch.floor(torch.log2(torch.clamp(size / BLOCK, min=1))).long() + 1
     span = BLOCK
     for j, level in enumerate(index.tree.levels[: int(levels.max()) if len(levels) else 0]):
@@ -51,8 +87,7 @@ def index_bytes(index: LCPIndex, queries: torch.Tensor, k: int) -> float:
                 cost += 2 * min(m, span * 4 // LINE)
         tree += used * cost
         span *= 2
-    direct = _run(size * index.ids.element_size())
-    return float((lines + torch.minimum(direct, tree)).mean()) * LINE
+    return tree
 
 
 def numpy_bytes(n: int, row_bytes: int, k: int, tie_sizes: torch.Tensor) -> float:
