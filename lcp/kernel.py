@@ -74,12 +74,13 @@ def _insertion_points(cols, starts, shift, half, lengths, has_len, qw, qlen, ord
     the first word of the one AHEAD/2 are prefetched, so the searches' misses overlap."""
     words, b = cols.shape[0], order.shape[0]
     full = np.full(words, -1, np.int64)
-    col0 = cols[0]
     for ii in range(b):
         if ii + AHEAD < b:
             _prefetch(starts, (qw[order[ii + AHEAD], 0] >> shift) + half)
-        if ii + AHEAD // 2 < b:
-            _prefetch(col0, starts[(qw[order[ii + AHEAD // 2], 0] >> shift) + half])
+        if ii + AHEAD // 2 < b:  # the bucket's words: the search reads later words where first words tie
+            at = starts[(qw[order[ii + AHEAD // 2], 0] >> shift) + half]
+            for w in range(words):
+                _prefetch(cols[w], min(at, cols.shape[1] - 1))
         i = order[ii]
         out[i] = _search(cols, starts, shift, half, lengths, has_len, qw[i], full, qlen[i], False)
 

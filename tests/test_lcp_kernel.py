@@ -1,0 +1,190 @@
+"""The compiled CPU kernel's own paths (lcp/kernel.py), against brute force and closed forms.
+
+The exactness tests of tests/test_lcp_index.py and tests/test_lcp_properties.py already run on both
+engines; these add the kernel's edges: bucket boundaries of the first word, d* = 0 (no range), d* = L,
+tie ranges of every size through the direct read and the tree (k around the tree's 1,024), k > N, the
+query packing against the torch packing for every dtype, its sort and selection, and the cache fallback.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lcp import LCPError, LCPIndex
+from lcp.engine import kernel
+from lcp.tokens import prepare_queries, token_format
+from tests.test_lcp_index import DTYPES, build, random_case, torch_brute_force
+
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.skipif(kernel() is None, reason="needs numba"),
+]
+
+
+def assert_exact(index, rows, queries, k, lengths=None, qls=None):
+    """index.topk equals the brute force over `rows` (the rows it was built from)."""
+    full = torch.full((rows.shape[0],), rows.shape[1]) if lengths is None else lengths
+    qfull = torch.full((queries.shape[0],), queries.shape[1]) if qls is None else qls
+    want_ids, want_lcps = torch_brute_force(rows, full, queries, qfull, k)
+    got = index.topk(queries, k, qls)
+    assert torch.equal(got.ids, want_ids), f"k={k}\n{got.ids}\n{want_ids}"
+    assert torch.equal(got.lcps, want_lcps), f"k={k}\n{got.lcps}\n{want_lcps}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_query_packing_matches_torch(dtype):
+    """pack_queries gives the words and cut lengths of lcp.tokens.prepare_queries, for tokens inside and
+    outside the index dtype's range and queries longer and shorter than L."""
+    g = torch.Generator().manual_seed(DTYPES.index(dtype))
+    fmt = token_format(dtype, 7)
+    for width in (3, 7, 11):
+        queries = torch.randint(-(2**40), 2**40, (64, width), generator=g)
+        inside = torch.randint(0, 2, (64, width), generator=g).bool()
+        queries = torch.where(inside, queries.clamp(fmt.lo, fmt.hi), queries)  # some tokens outside
+        queries[:8] = torch.tensor([fmt.lo, fmt.hi, 0, -1, 1, fmt.hi, fmt.lo, 5][:width] * 2)[:width]
+        qls = torch.randint(0, width + 1, (64,), generator=g)
+        want_words, want_len = prepare_queries(queries, qls, fmt, torch.device("cpu"))
+        pack = kernel().pack_queries
+        words, cut = pack(queries.numpy(), qls.numpy(), fmt.length, fmt.bits, fmt.lo, fmt.hi, fmt.words)
+        assert np.array_equal(words, want_words.numpy()) and np.array_equal(cut, want_len.numpy())
+
+
+def test_bucket_boundaries():
+    """Rows whose first words sit on either side of the bucket table's edges: first tokens 0x00, 0x7f,
+    0x80, 0xff and their neighbours (the top bits the table keys on), with queries at the edges too."""
+    g = torch.Generator().manual_seed(1)
+    edge = torch.tensor([0x00, 0x01, 0x3F, 0x40, 0x7F, 0x80, 0xBF, 0xC0, 0xFE, 0xFF], dtype=torch.uint8)
+    rows = torch.randint(0, 256, (6000, 6), generator=g).to(torch.uint8)
+    rows[:, 0] = edge[torch.randint(0, len(edge), (6000,), generator=g)]
+    rows[:, 1] = edge[torch.randint(0, len(edge), (6000,), generator=g)]
+    queries = torch.cartesian_prod(edge, edge).to(torch.uint8)  # (100, 2): every pair of edge tokens
+    queries = torch.cat([queries, torch.randint(0, 256, (100, 4), generator=g).to(torch.uint8)], 1)
+    index = build(rows, engine="numba")
+    for k in (1, 10, 700):
+        assert_exact(index, rows, queries, k)
+    big = torch.tensor([[-(2**63)], [2**63 - 1], [-1], [0], [1]] * 40)  # int64: the table's first and last bucket
+    assert_exact(build(big, engine="numba"), big, big[:5], 3)
+
+
+def test_d_star_zero_and_full_depth():
+    """d* = 0: queries sharing no first token with k rows (the answer is the smallest ids, less those
+    above); d* = L: queries equal to a row duplicated more than k times (all of them tie at L)."""
+    rows = torch.cat([torch.full((50, 4), 9, dtype=torch.uint8), torch.randint(10, 200, (400, 4)).to(torch.uint8)])
+    rows = rows[torch.randperm(450, generator=torch.Generator().manual_seed(2))]
+    index = build(rows, engine="numba")
+    nothing = torch.full((3, 4), 255, dtype=torch.uint8)  # no row starts with 255
+    got = index.topk(nothing, 20)
+    assert got.lcps.eq(0).all() and got.ids.tolist() == [list(range(20))] * 3  # closed form
+    assert_exact(index, rows, torch.cat([nothing, rows[:5]]), 60)
+    nine = torch.full((1, 4), 9, dtype=torch.uint8)
+    got = index.topk(nine, 30)
+    assert got.lcps.eq(4).all()
+    assert got.ids[0].tolist() == torch.nonzero(rows[:, 0] == 9).squeeze(1)[:30].tolist()
+
+
+@pytest.mark.parametrize("direct_cap", [None, 0, 10**9])
+def test_identical_rows_every_k(direct_cap):
+    """All N rows equal: every query ties with all of them, so the top-k is ids 0..k-1 (closed form)
+    at the query's own LCP — through the direct read, the tree (direct_cap = 0) and k beyond the tree."""
+    n = 5000
+    rows = torch.full((n, 8), 3, dtype=torch.uint8)
+    index = build(rows, engine="numba")
+    index.direct_cap = direct_cap
+    queries = torch.tensor([[3] * 8, [3] * 5 + [0] * 3, [4] * 8, [3, 3] + [9] * 6], dtype=torch.uint8)
+    depth = torch.tensor([8, 5, 0, 2])
+    for k in (1, 63, 64, 65, 1000, 1024, 1025, 2000, n, n + 9):
+        got = index.topk(queries, k)
+        kk = min(k, n)
+        assert got.ids[:, :kk].tolist() == [list(range(kk))] * 4, k
+        assert torch.equal(got.lcps[:, :kk], depth[:, None].expand(4, kk)), k
+        assert got.ids[:, kk:].eq(-1).all() and got.lcps[:, kk:].eq(-1).all()
+
+
+@pytest.mark.parametrize("direct_cap", [None, 0])
+def test_tie_ranges_of_every_size_through_the_tree(direct_cap):
+    """A two-letter alphabet over 20,000 rows: tie ranges from a few rows to thousands, so that the tree's
+    id levels (nodes of 2,048 positions and more) are read, with k up to and past the tree's 1,024."""
+    g = torch.Generator().manual_seed(3)
+    rows, lengths, queries, qls = random_case(g, 20_000, 16, 2, torch.uint8, variable=True, batch=24)
+    index = build(rows, lengths, engine="numba")
+    index.direct_cap = direct_cap
+    for k in (1, 10, 200, 1024, 1500):
+        assert_exact(index, rows, queries, k, lengths, qls)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_dtype_mid_size_variable_lengths(dtype):
+    """Every dtype with variable lengths at a size with many buckets and tree levels; queries longer
+    and shorter than L."""
+    g = torch.Generator().manual_seed(4 + DTYPES.index(dtype))
+    rows, lengths, queries, qls = random_case(g, 3000, 9, 3, dtype, variable=True, batch=30, query_len=12)
+    index = build(rows, lengths, engine="numba")
+    for k in (1, 7, 100, 3001):
+        assert_exact(index, rows, queries, k, lengths, qls)
+
+
+def test_engines_agree_on_random_bytes():
+    """The two engines on 50,000 random byte rows (the bench's data): the same answers at every k."""
+    from lcp.bench import make_data
+
+    rows, queries = make_data(50_000, 32, 300, 0)
+    fast, slow = build(rows, engine="numba"), build(rows, engine="torch")
+    for k in (1, 10, 100, 1000):
+        a, b = fast.topk(queries, k), slow.topk(queries, k)
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.lcps, b.lcps), k
+
+
+@pytest.mark.parametrize("m", [1, 2, 31, 32, 33, 100, 257, 5000])
+def test_sort_and_selection(m):
+    """The kernel's radix sort and quickselect against numpy's sort: random, sorted, reversed, organ-pipe
+    and values sharing all but their low byte."""
+    g = np.random.default_rng(m)
+    shapes = [g.permutation(10 * m)[:m], np.arange(m), np.arange(m)[::-1],
+              np.concatenate([np.arange(m)[::2], np.arange(m)[1::2][::-1]]),
+              (1 << 40) + g.permutation(m)]  # fmt: skip
+    kern = kernel()
+    for values in shapes:
+        values = np.ascontiguousarray(values, dtype=np.int64)
+        tmp, counts = np.empty(max(m, 512), np.int64), np.empty(256, np.int64)
+        a = values.copy()
+        kern._sort(a, m, tmp, counts)
+        assert np.array_equal(a, np.sort(values))
+        for count in {1, max(1, m // 3), m}:
+            a = values.copy()
+            kern._smallest(a, m, count, tmp, counts)
+            assert np.array_equal(a[:count], np.sort(values)[:count])
+
+
+def test_engine_choice_and_refusals():
+    rows = torch.randint(0, 256, (100, 4), dtype=torch.uint8)
+    index = LCPIndex.build(rows)
+    assert index.engine == "numba"  # the default on CPU with numba installed
+    index.engine = "torch"
+    assert index.engine == "torch"
+    with pytest.raises(LCPError, match="engine must be 'numba' or 'torch'"):
+        index.engine = "cuda"
+    with pytest.raises(LCPError, match="queries must have rank 2"):
+        build(rows, engine="numba").topk(torch.zeros((1, 1, 4), dtype=torch.uint8), 3)
+
+
+def test_uncacheable_kernel_still_compiles(monkeypatch):
+    """A read-only install where numba finds no cache directory: the kernel compiles in memory instead."""
+    import numba
+
+    from lcp import kernel as module
+
+    real = numba.njit
+
+    def njit(*args, **kwargs):
+        if kwargs.get("cache"):
+            raise RuntimeError("cannot cache function 'f': no locator available for file 'f.py'")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(numba, "njit", njit)
+
+    def twice(x):
+        return 2 * x
+
+    assert module._jit(twice)(21) == 42
