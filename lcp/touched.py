@@ -14,6 +14,7 @@ import torch
 
 from lcp.index import LCPIndex
 from lcp.smallest import BLOCK
+from lcp.tokens import prepare_queries
 
 LINE = 64
 
@@ -47,8 +48,8 @@ def kernel_bytes(index: LCPIndex, queries: torch.Tensor, k: int) -> float:
     The bucket table's entry and the bucket's first words replace the binary search; adj is walked over
     the window and on to the ends of S_{d*} (at most WALK rows a side, else two bucket searches); the
     ids of S_{d*+1}; the ids of S_{d*} read directly up to the kernel's direct cap, else the tree as for
-    the torch path; nothing for d* = 0 (the ids are 0, 1, 2, ...). Ranges shared by neighbouring queries
-    are counted once per query, as if never shared: an upper bound on what the batch brings in.
+    the torch path; nothing for d* = 0 (the ids are 0, 1, 2, ...). The kernel visits queries sorted by
+    first word and reads a range shared with the query before it once: the model counts it once too.
     """
     from lcp.engine import bucket_bits
     from lcp.kernel import CAP, WALK
@@ -61,13 +62,27 @@ def kernel_bytes(index: LCPIndex, queries: torch.Tensor, k: int) -> float:
     walked = torch.clamp(size, max=kk + 2 * WALK)
     lines = search + 2 * w + _run(walked * index.adj.element_size())
     lines = lines + (size > kk + 2 * WALK).double() * 2 * search  # the ends of S_{d*}, searched
-    lines = lines + _run((at.gt_l + at.gt_r).double().cpu() * index.ids.element_size())  # ids of S_{d*+1}
+    words, _ = prepare_queries(queries, None, index.fmt, torch.device("cpu"))
+    order = torch.sort(words[:, 0], stable=True).indices  # the kernel's visiting order
+    above_lo, above_hi = (at.p - at.gt_l).cpu(), (at.p + at.gt_r).cpu()
+    lines = lines + _run((at.gt_l + at.gt_r).double().cpu() * index.ids.element_size()) * _first_of_runs(
+        order, above_lo, above_hi
+    )  # the ids of S_{d*+1}
     cap = max(8 * kk, 512) if index.direct_cap is None else index.direct_cap
     direct = _run(size * index.ids.element_size())
-    tree = _tree_lines(index, size, kk)
-    ties = torch.where((size <= cap) | (kk > CAP), direct, tree)
-    ties = torch.where(at.d.cpu() == 0, 0.0, ties)
+    ties = torch.where((size <= cap) | (kk > CAP), direct, _tree_lines(index, size, kk))
+    ties = torch.where(at.d.cpu() == 0, 0.0, ties) * _first_of_runs(order, at.lo.cpu(), at.hi.cpu())
     return float((lines + ties).mean()) * LINE
+
+
+def _first_of_runs(order: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """1.0 for a query whose range [lo, hi) differs from the one visited before it in `order`, else 0.0."""
+    lo_o, hi_o = lo[order], hi[order]
+    new = torch.ones_like(lo_o, dtype=torch.float64)
+    new[1:] = ((lo_o[1:] != lo_o[:-1]) | (hi_o[1:] != hi_o[:-1])).double()
+    out = torch.empty_like(new)
+    out[order] = new
+    return out
 
 
 def _tree_lines(index: LCPIndex, size: torch.Tensor, kk: int) -> torch.Tensor:

@@ -241,3 +241,18 @@ def test_cuda_matches_cpu():
             assert torch.equal(got.ids.cpu(), want.ids) and torch.equal(got.lcps.cpu(), want.lcps)
         scan = FullScan.build(rows, built, device="cuda").topk(queries, 10, qls)
         assert torch.equal(scan.ids.cpu(), cpu.topk(queries, 10, qls).ids)
+
+
+def test_without_numba_the_torch_engine_answers(monkeypatch):
+    """numba is optional: without it an index answers through torch, and asking for numba says why."""
+    import lcp.engine
+    from lcp import LCPError
+
+    monkeypatch.setattr(lcp.engine, "kernel", lambda: None)
+    g = torch.Generator().manual_seed(8)
+    rows, lengths, queries, qls = random_case(g, 300, 6, 3, batch=10)
+    index = LCPIndex.build(rows)
+    assert index.engine == "torch"
+    assert_topk(index, queries, qls, 7, torch_brute_force(rows, lengths, queries, qls, 7))
+    with pytest.raises(LCPError, match="numba is not installed"):
+        index.engine = "numba"
