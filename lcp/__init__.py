@@ -5,6 +5,7 @@
     top = index.topk(queries, k=10)               # LCPTopK(lcps, ids), [B, k] each ([k] for a 1-D query):
     top.lcps, top.ids                             # LCP descending, ties by smallest id
     index.save("rows.lcp"); LCPIndex.load("rows.lcp")
+    index.engine                                  # "numba": compiled CPU kernel (pip install .[lcp]); else "torch"
 
 Design, file format and measured results: docs/lcp.md.
 """

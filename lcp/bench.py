@@ -11,7 +11,8 @@ in [0, L]) followed by random tokens, so the answers span every LCP. For each N 
 * bytes_per_query — the bytes a query touches (a model: lcp/touched.py; index, numpy and scan only) and
   bandwidth_share — bytes_per_query / p50 latency / the read bandwidth measured here (lcp/bandwidth.py).
 
-Methods: the index, the numpy sorted baseline, marisa-trie (optional; timed on `marisa_batch`
+Methods: the index (its compiled kernel on CPU when numba is installed, else its torch ops), the numpy
+sorted baseline, marisa-trie (optional; timed on `marisa_batch`
 queries: one Python walk each), the full scan, the paper's trie and pairwise materialisation.
 `PRESETS["paper"]` is the paper's setting (arXiv 2602.04936): 20M rows of 256 16-bit tokens, top-1.
 The memory a sweep needs is checked against the memory available before any row is generated.

@@ -21,6 +21,10 @@ CUDA): five in the common case (refinement steps of the insertion point, which r
 the gather widths, the tie ranges' size classes), two to four more when ranges must be searched.
 Memory: the packed rows (raw bytes rounded up to whole words), int32 ids, lengths if they vary, N
 adjacent LCPs (1 byte each for L < 256) and the tree (about 10 bytes per row).
+
+This module's code is the torch engine (CUDA, or a CPU without numba). On CPU with numba installed,
+`topk` goes through the compiled kernel instead (lcp/engine.py, lcp/kernel.py): the same steps in one
+loop over the queries, with the same answers; `LCPIndex.engine` says which one runs.
 """
 
 from __future__ import annotations

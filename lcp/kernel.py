@@ -237,36 +237,33 @@ def _sort(a, m, tmp, counts):
 
 @_jit
 def _smallest(a, m, count, tmp, counts):
-    """Put the `count` smallest of a[:m] (distinct) in a[:count], ascending: a quickselect first when
-    m is well above count, then a sort of the count."""
+    """Put the `count` smallest of a[:m] (distinct, non-negative) in a[:count], ascending.
+
+    Well above count, a histogram of the top byte of value − min finds the byte below which the count
+    smallest lie; only those are kept (a branch-free filter) and radix-sorted."""
     if m <= 2 * count:
         _sort(a, m, tmp, counts)
         return
-    lo, hi, target = 0, m - 1, count - 1
-    for _ in range(64):  # partition rounds (median-of-three pivots); a bad run ends in a sort below
-        if hi <= lo:
-            break
-        mid = (lo + hi) >> 1
-        x, y, z = a[lo], a[mid], a[hi]
-        pivot = max(min(x, y), min(max(x, y), z))
-        i, j = lo, hi
-        while i <= j:
-            while a[i] < pivot:
-                i += 1
-            while a[j] > pivot:
-                j -= 1
-            if i <= j:
-                a[i], a[j] = a[j], a[i]
-                i += 1
-                j -= 1
-        if target <= j:
-            hi = j
-        elif target >= i:
-            lo = i
-        else:
-            hi = lo  # the target sits between j and i: a[:count] holds the count smallest
-    # a[:lo] < a[lo:hi+1] < a[hi+1:], target in [lo, hi]: sorting a[:max(hi+1, count)] finishes it
-    _sort(a, max(hi + 1, count), tmp, counts)
+    low, high = a[0], a[0]
+    for i in range(1, m):
+        low, high = min(low, a[i]), max(high, a[i])
+    shift = 0
+    while ((high - low) >> shift) > 255:
+        shift += 1
+    counts[:] = 0
+    for i in range(m):
+        counts[(a[i] - low) >> shift] += 1
+    below, b = 0, 0
+    while below + counts[b] < count:
+        below += counts[b]
+        b += 1
+    limit = (b + 1) << shift  # every value with value - low < limit, and no other, is kept
+    kept = 0
+    for i in range(m):
+        tmp[kept] = a[i]
+        kept += np.int64(a[i] - low < limit)
+    a[:kept] = tmp[:kept]
+    _sort(a, kept, tmp, counts)
 
 
 @_jit
@@ -441,24 +438,30 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
         q, ql, p = qw[i], qlen[i], points[i]
         cl = _lcp(cols, lengths, has_len, p - 1, q, ql, per_word, bits) if p > 0 else -1
         cr = _lcp(cols, lengths, has_len, p, q, ql, per_word, bits) if p < n else -1
-        # d*: the kk-th value of the merge of the two non-increasing sides
-        nl, nr, d = 0, 0, 0
+        # d*: the kk-th value of the merge of the two non-increasing sides; branch-free steps (selects),
+        # since which side goes next is a coin flip the CPU would mispredict
+        nl, nr, d, top_l, top_r, last = 0, 0, 0, cl, cr, adj.shape[0] - 1
         for _ in range(kk):
-            if cl >= cr:
-                left_lcp[nl] = cl
-                d = cl
-                nl += 1
-                cl = min(cl, np.int64(adj[p - 1 - nl])) if p - 1 - nl >= 0 else -1
-            else:
-                right_lcp[nr] = cr
-                d = cr
-                nr += 1
-                cr = min(cr, np.int64(adj[p + nr - 1])) if p + nr < n else -1
-        gt_l, gt_r, in_l, in_r = 0, 0, 0, 0  # rows above d*, and above d* + 1, on each side
-        while gt_l < nl and left_lcp[gt_l] > d:
+            left = cl >= cr
+            d = max(cl, cr)
+            jl, jr = p - 2 - nl, p + nr  # adj entries that extend either side by one row
+            next_l = min(cl, np.int64(adj[max(jl, 0)])) if jl >= 0 else -1
+            next_r = min(cr, np.int64(adj[min(jr, last)])) if jr + 1 < n else -1
+            cl = next_l if left else cl
+            cr = cr if left else next_r
+            nl += np.int64(left)
+            nr += np.int64(not left)
+        # the rows above d*, with their LCPs: both sides again, as far as the LCP stays above d*
+        gt_l, gt_r, in_l, in_r, v = 0, 0, 0, 0, top_l  # rows above d*, and above d* + 1, on each side
+        while gt_l < nl and v > d:
+            left_lcp[gt_l] = v
             gt_l += 1
-        while gt_r < nr and right_lcp[gt_r] > d:
+            v = min(v, np.int64(adj[p - 1 - gt_l])) if p - 1 - gt_l >= 0 else -1
+        v = top_r
+        while gt_r < nr and v > d:
+            right_lcp[gt_r] = v
             gt_r += 1
+            v = min(v, np.int64(adj[p + gt_r - 1])) if p + gt_r < n else -1
         while in_l < gt_l and left_lcp[in_l] > d + 1:
             in_l += 1
         while in_r < gt_r and right_lcp[in_r] > d + 1:
