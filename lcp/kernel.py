@@ -1,27 +1,30 @@
 """The compiled CPU query kernel (numba): one loop over the queries of a batch, no [B × C] temporaries.
 
-Per query, with the same exactness argument as lcp/index.py (S_0 ⊇ S_1 ⊇ … contiguous around the
-insertion point p; d* the largest d with |S_d| >= k):
+Per query, with the exactness argument of lcp/index.py (S_0 ⊇ S_1 ⊇ … contiguous around the insertion
+point p; d* the largest d with |S_d| >= k). Queries are visited sorted by first word, so that neighbours
+read neighbouring rows and often share their ranges.
 
-1. *Insertion point.* A bucket table over the top `bucket_bits` bits of the first packed word gives the
-   run of rows that can hold p (`starts[b] .. starts[b + 1]`: ~8–16 rows); a binary search inside it,
-   then one over the later words only among rows whose first word equals the query's.
-2. *d\\**. The LCPs of the two neighbours s_{p-1}, s_p come from the XOR of their words (leading zeros /
-   bits per token); walking outward, LCP(q, s_{p-1-i}) = min(LCP(q, s_{p-1}), adj[p-2], …, adj[p-1-i])
-   and symmetrically on the right, so both sides are non-increasing and d* is the k-th value of their
-   merge — k steps, each reading one byte of `adj`.
+1. *Insertion point* (a first pass over the batch). A bucket table over the top bits of the first packed
+   word gives the run of rows that can hold p (`starts[b] .. starts[b + 1]`: 8–16 rows); a binary search
+   inside it, then over the later words only among rows whose first word equals the query's. The
+   table entry and bucket of queries AHEAD are prefetched, so that the misses of several queries overlap.
+2. *d\\**. The LCPs of s_{p-1} and s_p come from the XOR of their words (leading zeros ÷ bits per token);
+   walking outward, LCP(q, s_{p-1-i}) = min(LCP(q, s_{p-1}), adj[p-2], …, adj[p-1-i]) and symmetrically
+   on the right, so both sides are non-increasing and d* is the k-th value of their merge: k branch-free
+   steps, each reading one byte of `adj`.
 3. *S_{d\\*}.* The walk goes on while the LCP stays >= d* (at most WALK rows per side), else the range's
    ends are binary-searched on the rows cut to d* tokens. d* = 0 needs no range: S_0 is every row.
-4. *Ties.* The k − |S_{d*+1}| smallest ids of S_{d*} ∖ S_{d*+1}: for d* = 0 the ids 0, 1, 2, … minus
-   those above; for a range of at most `direct_cap` rows (default max(8k, 512)), a quickselect over its
-   ids; for a wider one (k <= CAP) a k-way merge over the truncated merge-sort tree of lcp/smallest.py —
-   the two partial blocks and at most two nodes per level, each already sorted by id, read only as far as
-   the merge needs (O(k · lists) steps, whatever the range's size).
-5. The rows above d* (fewer than k) are sorted by the key (L − lcp)·N + id, i.e. (LCP desc, id asc), and
-   written first; the tie ids follow at LCP d*.
+4. *Ranking.* Rows deeper than d* + 1 (few) are sorted by the key (L − lcp) << id_bits | id; the rows at
+   d* + 1 are every id of S_{d*+1} ascending (read and radix-sorted once per run of queries sharing it),
+   less the deeper ones; the rows at d* are the k smallest ids of S_{d*} less those of S_{d*+1} (a merge
+   of two ascending lists). The k smallest ids of S_{d*}: 0, 1, 2, … for d* = 0; for a range of at most
+   `direct_cap` rows (default max(8k, 512)) a byte histogram that keeps those below the k-th and a radix
+   sort; for a wider one (k <= CAP) a k-way merge over the truncated merge-sort tree of lcp/smallest.py
+   (two partial blocks, at most two nodes per level, each sorted by id, read only as far as needed);
+   computed once per run of queries sharing the range.
 
-Everything is int64 arithmetic on the index's own arrays (numpy views of its tensors); the loop runs on
-the calling thread, so the kernel uses one core whatever torch's thread count is.
+Everything is int64 arithmetic on numpy views of the index's tensors; the loop runs on the calling
+thread, so the kernel uses one core whatever torch's thread count is.
 """
 
 from __future__ import annotations
