@@ -13,13 +13,14 @@ import torch
 
 from runtime.config import RunConfig
 from runtime.launch import spawn
-from runtime.memory import SavedTensors, apply_policy, param_storages
+from runtime.memory import RECOMPUTE_WRAPPERS, SavedTensors, apply_policy, param_storages
 from runtime.model import ModelArgs
 from runtime.stages import build_chunk, layer_ranges
 from scenarios import scenario_path
 from sim.activations import DTYPE_BYTES, layer_memory
 from sim.config import load_scenario
 from sim.layer_ops import op_checkpoint_bytes
+from sim.memory import RECOMPUTE
 
 POLICIES = ("none", "selective", "selective-op", "full")
 # (hidden, heads, kv_heads, ffn_hidden, seq_len, micro_batch_size): GQA and plain multi-head attention
@@ -45,6 +46,11 @@ def kept_per_layer(sc, policy: str, layers: int = 2) -> float:
     with meter:
         chunk(x).sum().backward()  # the backward runs after the meter closed, as in the executor
     return meter.device_bytes / layers
+
+
+def test_every_simulated_policy_runs():
+    """"chronos" resolves per chunk to full or none (sim.memory); every other name needs a runtime rule."""
+    assert set(RECOMPUTE) - {"chronos"} == set(RECOMPUTE_WRAPPERS) == set(POLICIES)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
