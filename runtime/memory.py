@@ -8,7 +8,12 @@ runtime recomputes:
     none                  keep everything
     full, chronos:full    checkpoint every decoder layer (torch.utils.checkpoint, non-reentrant): keep the
                           layer's input, recompute the layer right before its backward
-    selective             checkpoint each layer's attention block only
+    selective             checkpoint each layer's attention core (the SDPA call, model.AttentionCore) only:
+                          keep Q, K, V, drop the softmax statistics (flash's log-sum-exp); the projections run
+                          once (Megatron's selective recomputation, Korthikanti et al. 2022, sec. 4.2)
+    selective-op          torchtitan's op-level selective checkpointing (selective_ac_option = "op"), through
+                          torch's SAC API: keep the layer input, the outputs of every other aten.mm (wq, wv,
+                          w1, w2) and of flash SDPA (output and log-sum-exp); recompute the rest
     planned (MILP)        checkpoint the chunk's first k decoder layers, offload the planned share of the
                           chunk's saved bytes (its DRAM and NVMe layers; both go to host memory here), and
                           keep the optimizer state on the host on the ranks the plan says
@@ -24,19 +29,22 @@ meter tell device-resident from offloaded bytes). They come back ahead of need: 
 `prefetch()` for a chunk-microbatch a few actions before its backward, which issues the host-to-device
 copies on the copy stream and records an event; the backward's unpack only makes the compute stream wait
 for that event. A tensor not prefetched is copied back when unpacked (counted as `demand_bytes`). The hooks
-do not see what checkpoint keeps, so the checkpoint wrapper reports its input's bytes to the active meter.
+do not see what checkpoint keeps, so the checkpoint wrapper reports its inputs' bytes to the active meter,
+and the op-level policy the outputs it tells torch to keep. Each policy keeps exactly the per-layer bytes
+the cost model counts for it (sim/activations.py, sim/layer_ops.py; tests/test_runtime_recompute.py).
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from runtime.streams import CopyStream
 from sim.config import Scenario
@@ -51,7 +59,7 @@ _active = threading.local()
 class ChunkMemory:
     """What one chunk does with its activations at run time."""
 
-    recompute: str  # "none" | "full" | "selective": how a checkpointed layer recomputes
+    recompute: str  # a RECOMPUTE_WRAPPERS name: "none" | "full" | "selective" | "selective-op"
     offload_share: float  # share of the saved activation bytes moved to host after the forward
     recompute_layers: int | None = None  # checkpoint only the first k decoder layers (memory MILP); None: all
     label: str = "none"
@@ -84,6 +92,10 @@ def run_memory(sc: Scenario, schedule: Schedule, choice: MemoryChoice | None = N
     plan = resolved.plan
     if resolved.choice is None:
         chunks = [ChunkMemory(p.removeprefix("chronos:"), mem.offload_activations, None, p) for p in plan.policy]
+        for c in chunks:
+            if c.recompute not in RECOMPUTE_WRAPPERS:
+                raise PipeplanError(f"memory.recompute: the runtime has no policy {c.recompute!r}; it runs "
+                                    f"{', '.join(RECOMPUTE_WRAPPERS)} (and chronos, which resolves to them)")
         return RunMemory(chunks, [mem.optimizer != "hbm"] * schedule.num_ranks, _weights(plan))
     k, layers = resolved.choice.recompute_layers, costs.detail.layers
     share = np.divide(plan.offload_bytes, plan.kept_bytes, out=np.zeros(len(layers)), where=plan.kept_bytes > 0)
@@ -105,25 +117,93 @@ def apply_policy(chunk: nn.Module, policy: ChunkMemory | str) -> nn.Module:
     """Recompute as `policy` says (names and parameters unchanged)."""
     if isinstance(policy, str):
         policy = ChunkMemory(policy.removeprefix("chronos:"), 0.0)
+    wrap = RECOMPUTE_WRAPPERS.get(policy.recompute)
+    if wrap is None:
+        raise PipeplanError(f"memory.recompute: the runtime has no policy {policy.recompute!r}; it runs "
+                            f"{', '.join(RECOMPUTE_WRAPPERS)}")
     layers = list(chunk.layers.values())
     if policy.recompute_layers is not None:
         layers = layers[: policy.recompute_layers]
-    if policy.recompute == "full":
-        for layer in layers:
-            layer.forward = functools.partial(_checkpointed, layer.forward)
-    elif policy.recompute == "selective":
-        for layer in layers:
-            layer.attention.forward = functools.partial(_checkpointed, layer.attention.forward)
-    elif policy.recompute != "none":
-        raise PipeplanError(f"memory.recompute: the runtime has no policy {policy.recompute!r}")
+    for layer in layers:
+        wrap(layer)
     return chunk
 
 
-def _checkpointed(forward, x: torch.Tensor, *args):
+# ---- recomputation policies: name -> what it does to one decoder layer (runtime.model.TransformerBlock) --
+def _keep_all(_layer: nn.Module) -> None:
+    pass
+
+
+def _checkpoint_layer(layer: nn.Module) -> None:
+    """full: keep the layer's input, recompute the whole layer before its backward."""
+    layer.forward = functools.partial(_checkpointed, layer.forward)
+
+
+def _checkpoint_attention_core(layer: nn.Module) -> None:
+    """selective: keep the core's inputs Q, K, V, recompute softmax(QK^T)V before its backward."""
+    core = layer.attention.core
+    core.forward = functools.partial(_checkpointed, core.forward)
+
+
+def _checkpoint_layer_ops(layer: nn.Module) -> None:
+    """selective-op: keep the layer's input and what `op_policy` saves, recompute the other ops."""
+    layer.forward = functools.partial(_checkpointed, layer.forward, context_fn=_op_contexts)
+
+
+RECOMPUTE_WRAPPERS: dict[str, Callable[[nn.Module], None]] = {
+    "none": _keep_all, "full": _checkpoint_layer, "selective": _checkpoint_attention_core,
+    "selective-op": _checkpoint_layer_ops,
+}
+"""The runtime's recompute policies, by the names sim.memory.RECOMPUTE gives them ("chronos" resolves per
+chunk to "full" or "none" before it gets here)."""
+
+
+def _checkpointed(forward, *args, context_fn: Callable | None = None):
     meter: SavedTensors | None = getattr(_active, "meter", None)
-    if meter is not None and torch.is_grad_enabled() and meter.count(x):
-        meter.device_bytes += x.untyped_storage().nbytes()  # checkpoint keeps the block's input
-    return checkpoint(forward, x, *args, use_reentrant=False)
+    if meter is not None and torch.is_grad_enabled():
+        meter.add(*args)  # checkpoint keeps its inputs alive for the recomputation
+    if context_fn is None:
+        return checkpoint(forward, *args, use_reentrant=False)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn)
+
+
+# torchtitan's op-level save list (torchtitan/parallelisms/parallelize_llama.py `_save_list` at 9dec370, the
+# version sim/layer_ops.py models), plus the CPU's flash kernel, which SDPA dispatches to on the CPU where it
+# dispatches to _scaled_dot_product_flash_attention on CUDA: the same outputs (output, log-sum-exp), so a CPU
+# run keeps what a GPU run keeps.
+OP_SAVE_LIST = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops.aten.abs.default,
+    torch.ops.aten.max.default,
+}
+
+
+def op_policy() -> Callable[..., CheckpointPolicy]:
+    """torchtitan's `_custom_policy` (parallelize_llama.py at 9dec370) for one checkpointed layer call: save the
+    outputs of the ops in OP_SAVE_LIST except every second aten.mm (counted per forward and per recomputation,
+    so the recomputation's decisions match the forward's), recompute everything else. Saved outputs are
+    reported to the active meter (torch hands the op's output to the policy as `ctx.op_output`)."""
+    mm_count = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func == torch.ops.aten.mm.default:
+            mm_count[mode] += 1
+        save = func in OP_SAVE_LIST and not (func == torch.ops.aten.mm.default and mm_count[mode] % 2 == 0)
+        meter: SavedTensors | None = getattr(_active, "meter", None)
+        if save and mode == "forward" and meter is not None:
+            meter.add(getattr(ctx, "op_output", None))
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _op_contexts():
+    return create_selective_checkpoint_contexts(op_policy())
 
 
 class Offloaded:
@@ -160,6 +240,15 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
     def __exit__(self, *exc):
         _active.meter = self._prev
         return super().__exit__(*exc)
+
+    def add(self, *tensors) -> None:
+        """Count tensors kept outside autograd's saved tensors (checkpoint inputs, selective-op's cache), each
+        storage once; anything that is not a tensor (tuples are searched) is ignored."""
+        for t in tensors:
+            if isinstance(t, (tuple, list)):
+                self.add(*t)
+            elif isinstance(t, torch.Tensor) and self.count(t):
+                self.device_bytes += t.untyped_storage().nbytes()
 
     def count(self, t: torch.Tensor) -> bool:
         """True the first time t's storage is seen (parameters never count)."""
@@ -215,4 +304,5 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
 
 
 def param_storages(module: nn.Module) -> set[int]:
-    return {p.untyped_storage().data_ptr() for p in module.parameters()}
+    """Storages that are not activations: parameters and buffers (the rotary tables, shared by every layer)."""
+    return {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}

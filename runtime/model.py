@@ -72,6 +72,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
+class AttentionCore(nn.Module):
+    """Causal softmax(QK^T / sqrt(d)) V, GQA's K and V shared by n_heads / n_kv_heads query heads each.
+
+    Its own module (no parameters, so no names change) because it is the unit Megatron's selective
+    recomputation recomputes (Korthikanti et al. 2022, sec. 4.2: the attention core, not the QKV and output
+    projections); runtime/memory.py checkpoints exactly this call."""
+
+    def __init__(self, gqa: bool):
+        super().__init__()
+        self.gqa = gqa
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, nh, T, hd), k and v (B, nkv, T, hd) -> (B, nh, T, hd)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -79,6 +95,7 @@ class Attention(nn.Module):
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.core = AttentionCore(gqa=args.n_kv_heads != args.n_heads)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -88,7 +105,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh|nkv, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        y = self.core(q, k, v)  # (B, nh, T, hd)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, h)
 
 

@@ -23,7 +23,8 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
 
 
 @cuda
-@pytest.mark.parametrize("policy,offload", [("none", 0.0), ("full", 0.0), ("none", 1.0)])
+@pytest.mark.parametrize("policy,offload", [("none", 0.0), ("full", 0.0), ("selective", 0.0), ("selective-op", 0.0),
+                                           ("none", 1.0)])
 def test_cuda_executor_matches_cpu_training(policy, offload):
     dev = torch.device("cuda", 0)
     m = 2

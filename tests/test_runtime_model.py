@@ -224,7 +224,8 @@ def test_freezer_checkpoint_round_trip_reproduces_the_draws():
 
 
 # ---- recompute and offload -------------------------------------------------------------------------------
-@pytest.mark.parametrize("policy,offload", [("full", 0.0), ("selective", 0.0), ("none", 1.0), ("none", 0.5)])
+@pytest.mark.parametrize("policy,offload", [("full", 0.0), ("selective", 0.0), ("selective-op", 0.0), ("none", 1.0),
+                                           ("none", 0.5)])
 def test_recompute_and_offload_keep_gradients_and_cut_device_bytes(policy, offload):
     m = 4
     data = batches(m)
