@@ -317,10 +317,10 @@ class MemoryConfig(_Section):
     """Where activations and model states live: recomputation and the HBM -> DRAM -> NVMe offload tiers."""
 
     recompute: RecomputePolicy | list[RecomputePolicy] = "none"
-    """none | full (keep layer inputs, recompute each layer before its backward) | selective (recompute
-    attention: drop Q, K, V, O) | selective-op (torchtitan's op-level selective checkpointing: keep the outputs
-    of every other matmul and of attention, recompute the rest) | chronos (full recomputation of the
-    longest-lived chunks only); or one per chunk."""
+    """none | full (keep layer inputs, recompute each layer before its backward) | selective (Megatron's: drop
+    the attention core's tensors, recompute only the core) | selective-op (torchtitan's op-level selective
+    checkpointing: keep the outputs of every other matmul and of attention, recompute the rest) | chronos (full
+    recomputation of the longest-lived chunks only); or one per chunk."""
     offload_activations: Annotated[float, Field(ge=0, le=1)] = 0.0
     """Share of each kept activation copied to host after its forward and prefetched before its backward."""
     activations_tier: Literal["dram", "nvme"] = "dram"

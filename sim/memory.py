@@ -4,7 +4,8 @@ A `MemoryPlan` holds per-chunk arrays the engine consumes. Recomputation policie
 
     none       keep every activation (Korthikanti et al.'s "no recomputation")
     full       keep each layer's input, recompute the layer's forward right before its backward
-    selective  recompute attention: drop Q, K, V, O and the softmax statistics, redo QKV projection + attention
+    selective  Megatron's selective recomputation (Korthikanti et al. 2022): drop the attention core's tensors
+               (scores, softmax, its dropout mask; with flash, the softmax statistics), redo only the core
     selective-op  torchtitan's op-level selective checkpointing (selective_ac_option = "op"): keep the layer
                input and the outputs of every other matmul and of flash attention, recompute everything else
     chronos    lifetime-aware: full recomputation for the chunks whose activations live longest in HBM (mean
