@@ -11,10 +11,13 @@ simulator share one curve. The fit minimises the squared error in log space,
     min over x = ln g, y = ln B of  sum_i (max(c_i - x, m_i - y) - l_i)^2,    c_i = ln C_i, m_i = ln M_i, l_i = ln t_i
 
 (relative errors, so a 10 us GEMM counts as much as a 10 ms one). GEMM i is compute-bound exactly when
-d_i = c_i - m_i >= x - y, so the points sorted by d split into a compute-bound tail and a memory-bound head at
-one of n + 1 thresholds; on each side the optimum is a mean (x = mean(c_i - l_i) over the compute-bound,
-y = mean(m_i - l_i) over the memory-bound ones). Every threshold's means are scored with the true objective
-and the best is kept, so the fit needs no starting point and no solver; g is capped at 1.
+d_i = c_i - m_i >= x - y, so the points sorted by d split into a memory-bound head and a compute-bound tail at
+one of n + 1 thresholds. Inside one split's region, d_(s-1) <= x - y <= d_(s), the objective is the separable
+convex quadratic sum_compute (c_i - l_i - x)^2 + sum_memory (m_i - l_i - y)^2, and with the cap x <= 0
+(g <= 1) its minimum is one of a handful of KKT points: the two means, the means projected onto either edge
+x - y = d (a point sitting on the kink), or x = 0 with y clipped into the region. The regions cover the plane,
+so the least of these candidates over all splits is the global least-squares optimum: exact, with no starting
+point and no solver.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ def fit_gemm_curve(shapes: Sequence[Shape], seconds: Sequence[float], bytes_per_
     big_c, big_m = curve_terms(shapes, bytes_per_element, peak_tflops, sm_count)
     c, m, lt = np.log(big_c), np.log(big_m), np.log(t)
     order = np.argsort(c - m)  # memory-bound first
-    u, w = (c - lt)[order], (m - lt)[order]
+    u, w, d = (c - lt)[order], (m - lt)[order], (c - m)[order]
     n = len(t)
 
     def loss(x: float, y: float) -> float:
@@ -80,12 +83,12 @@ def fit_gemm_curve(shapes: Sequence[Shape], seconds: Sequence[float], bytes_per_
 
     best: tuple[float, float, float] | None = None
     for split in range(n + 1):  # GEMMs order[:split] memory-bound, order[split:] compute-bound
-        x = min(float(u[split:].mean()), 0.0) if split < n else 0.0  # g <= 1 (unseen when none is compute-bound)
-        # none memory-bound: B is only bounded below; take the least B that keeps every GEMM compute-bound
-        y = float(w[:split].mean()) if split > 0 else x + float(np.max(m - c))
-        value = loss(x, y)
-        if best is None or value < best[0]:
-            best = (value, x, y)
+        lo = float(d[split - 1]) if split > 0 else -math.inf  # the region: lo <= x - y <= hi
+        hi = float(d[split]) if split < n else math.inf
+        for x, y in _region_candidates(u[split:], w[:split], lo, hi):
+            value = loss(x, y)
+            if best is None or value < best[0]:
+                best = (value, x, y)
     assert best is not None
     _, x, y = best
     residual = np.maximum(c - x, m - y) - lt
@@ -98,3 +101,32 @@ def fit_gemm_curve(shapes: Sequence[Shape], seconds: Sequence[float], bytes_per_
         max_log_error=float(np.max(np.abs(residual))),
         compute_bound=int(np.sum(c - x >= m - y)),
     )
+
+
+def _region_candidates(u: np.ndarray, w: np.ndarray, lo: float, hi: float) -> list[tuple[float, float]]:
+    """The KKT points of min sum (u_i - x)^2 + sum (w_j - y)^2 subject to lo <= x - y <= hi and x <= 0 that lie
+    in that region: the convex quadratic's minimum is the feasible one of least objective. With no u (no
+    compute-bound GEMM) x only has to stay feasible; with no w, y is pinned at the region's edge (the least B
+    that keeps every GEMM compute-bound)."""
+    a, b = float(u.size), float(w.size)
+    p = float(u.mean()) if u.size else 0.0
+    q = float(w.mean()) if w.size else 0.0
+    out: list[tuple[float, float]] = []
+    # no constraint active (a free coordinate takes the value nearest the other's that keeps it feasible)
+    if a and b:
+        out.append((p, q))
+    elif a:
+        out.append((min(p, 0.0), min(p, 0.0) - hi if math.isfinite(hi) else min(p, 0.0)))
+    elif b:
+        out.append((min(0.0, q + hi), q))
+    # on an edge x - y = e: a point sits on the kink
+    for e in (lo, hi):
+        if math.isfinite(e) and a + b:
+            x = (a * p + b * (e + q)) / (a + b)
+            out.append((x, x - e))
+    # on the cap x = 0, y clipped into the region
+    y = min(max(q if b else -hi, -hi), -lo)
+    out.append((0.0, y if math.isfinite(y) else q))
+    tol = 1e-12
+    return [(x, y) for x, y in out
+            if math.isfinite(x) and math.isfinite(y) and x <= tol and lo - tol <= x - y <= hi + tol]
