@@ -532,7 +532,25 @@ def describe_validation_error(exc: ValidationError) -> str:
         return f"{'.'.join([*loc, head]) if loc else head}:{msg.split(':', 1)[1]}" if ":" in msg else msg
     given = err.get("input")
     shown = "" if isinstance(given, dict) else f" (got {given!r})"
-    return f"{field}: {msg.lower()}{shown}"
+    hint = ""
+    if kind != "list_type" and any(e["type"] == "list_type" for e in same):  # the union's per-chunk list form
+        hint = f"; or a list, {_list_item(loc)} per chunk"
+    return f"{field}: {msg.lower()}{shown}{hint}"
+
+
+def _list_item(loc: list[str]) -> str:
+    """How a per-chunk list field's entries are named in a message: "one bool", "one value"."""
+    model: Any = Scenario
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return "one value"
+        model = field.annotation
+        inner = [a for a in getattr(model, "__args__", (model,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        model = inner[0] if inner else model
+    lists = [a for a in getattr(model, "__args__", ()) if getattr(a, "__origin__", None) is list]
+    item = lists[0].__args__[0] if lists else None
+    return "one bool" if item is bool else "one value"
 
 
 def _allowed_keys(loc: list[str]) -> list[str]:

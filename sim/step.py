@@ -19,6 +19,10 @@ def resolve_schedule(sc: Scenario, schedule_csv: str | Path | None = None) -> Sc
     if schedule_csv is None:
         return build_schedule(p.schedule, p.stages, p.microbatches, p.virtual_stages, p.admission_cap,
                               p.stash_limit)
+    for key in ("admission_cap", "stash_limit"):  # they shape a generated order; a CSV's order is given
+        if getattr(p, key) is not None:
+            raise ScheduleError(f"pipeline.{key}: applies to a generated schedule, not to --schedule-csv's given "
+                                f"order; leave it out")
     sched = Schedule.read_csv(schedule_csv, num_microbatches=p.microbatches)
     if sched.num_ranks != p.stages:
         raise ScheduleError(f"--schedule-csv: has {sched.num_ranks} rank rows, pipeline.stages is {p.stages}")

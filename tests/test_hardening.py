@@ -255,3 +255,39 @@ def test_resume_moves_damaged_lines_aside_and_recomputes_them(tmp_path, capsys):
     assert "5 damaged line(s) (or rows of other --set values) moved to sweep.rejected.csv" in capsys.readouterr().err
     assert (tmp_path / "sweep.rejected.csv").read_bytes().count(b"\n") == 5
     assert len(csv.read_text().splitlines()) == 4  # header + three good rows, no garbage kept
+
+
+# ---- flags and keys that were silently ignored or misnamed (review of the capacity/fit work) ---------
+@pytest.mark.parametrize("flags, expected", [
+    (["--max-dim", "0"], "--max-dim: must be >= 64 (got 0)"),  # 0 is a value, not "use the default"
+    (["--threads", "0"], "--threads: must be > 0 (got 0)"),
+    (["--threads", "-2"], "--threads: must be > 0 (got -2)"),
+])  # fmt: skip
+def test_profile_gemm_refuses_zero_sizes(flags, expected, tmp_path, capsys):
+    argv = ["profile", "--gemm", "--device", "cpu", *flags, "--out", str(tmp_path / "o")]
+    assert expected in refused(argv, capsys)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("key", ["admission_cap", "stash_limit"])
+def test_schedule_csv_refuses_keys_that_shape_a_generated_order(key, tmp_path, capsys):
+    from sim.config import load_scenario
+    from sim.step import resolve_schedule
+
+    csv = tmp_path / "order.csv"
+    resolve_schedule(load_scenario(UNIT)).write_csv(csv)  # a valid order: only the key is wrong
+    line = refused(["simulate", UNIT, "--schedule-csv", str(csv), "--set", f"pipeline.{key}=4", "--out",
+                    str(tmp_path / "o")], capsys)
+    assert f"pipeline.{key}: applies to a generated schedule, not to --schedule-csv" in line
+
+
+def test_a_stash_limit_on_1f1b_is_named_as_such(tmp_path, capsys):
+    line = refused(["simulate", UNIT, "--set", "pipeline.stash_limit=5", "--out", str(tmp_path / "o")], capsys)
+    assert "pipeline.stash_limit: schedule '1f1b' has no W stash limit" in line
+
+
+def test_a_bool_for_offload_weights_names_the_list_form(tmp_path, capsys):
+    line = refused(["simulate", EIGHT_B, "--set", "memory.offload_weights=true", "--out", str(tmp_path / "o")],
+                   capsys)
+    assert "memory.offload_weights: input should be 'none', 'all' or 'auto' (got True); or a list, one bool per " \
+           "chunk" in line

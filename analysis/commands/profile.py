@@ -89,7 +89,7 @@ def run_gemm(args: argparse.Namespace) -> int:
     if args.validate:
         raise PipeplanError("--validate: checks a pipeline profile; --gemm validates its fit itself (rms log error)")
     for flag, value in (("--peak-tflops", args.peak_tflops), ("--sm-count", args.sm_count),
-                        ("--repeats", args.repeats)):
+                        ("--repeats", args.repeats), ("--threads", args.threads)):
         if value is not None and value <= 0:
             raise PipeplanError(f"{flag}: must be > 0 (got {value})")
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
@@ -99,7 +99,7 @@ def run_gemm(args: argparse.Namespace) -> int:
     sc = load_scenario(args.scenario or str(scenario_path(DEFAULT_SCENARIO)), overrides(args))
     if sc.model is None:
         raise PipeplanError("profile --gemm: the scenario has explicit [costs] and no [model] to take GEMM shapes from")
-    max_dim = args.max_dim or (16384 if device == "cuda" else 1024)
+    max_dim = args.max_dim if args.max_dim is not None else (16384 if device == "cuda" else 1024)
     torch.set_num_threads(args.threads)  # as one rank of `pipeplan run` computes (and no spinning on a busy box)
     with busy(f"timing GEMMs on {device} ({args.dtype})"):
         prof = profile_gemms(sc, torch.device(device), args.dtype, max_dim, args.peak_tflops, args.sm_count,

@@ -79,7 +79,8 @@ def build_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int
     if not spec.takes_cap:
         key = "admission_cap" if admission_cap is not None else "stash_limit"
         takers = [n for n, sp in SCHEDULES.items() if sp.takes_cap]
-        raise ScheduleError(f"pipeline.{key}: schedule {name!r} has no activation cap (leave it out); "
+        what = "activation cap" if key == "admission_cap" else "W stash limit"
+        raise ScheduleError(f"pipeline.{key}: schedule {name!r} has no {what} (leave it out); "
                             f"schedules that take one: {', '.join(takers)}")
     return spec.build(ranks, microbatches, virtual_stages, admission_cap, stash_limit).validate()
 
