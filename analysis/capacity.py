@@ -26,7 +26,7 @@ from sim.engine import SimResult, simulate
 from sim.errors import ScenarioError
 from sim.schedules.v_shape import chronos_plan, deferred_w_limit, v_half_limit
 from sim.step import resolve_schedule
-from solver.errors import SolverError
+from solver.errors import SolverError, SolverTimeoutError
 from solver.memory_milp import MemoryInfeasibleError
 from solver.step import resolve_memory_plan
 
@@ -79,6 +79,8 @@ class Evaluation:
     result: SimResult | None  # None when the planner found no plan
     smallest_hbm_bytes: float | None = None
     variant: str = ""  # a joint policy's choice at this depth, e.g. "v=4 cap=32"
+    unknown: bool = False  # the MILP hit its safety time limit: neither a fit nor no fit (`fits` is False)
+    note: str = ""  # why unknown, or that the plan is the MILP's unproven incumbent
 
 
 JOINT_V = (2, 4)  # chunks per rank a joint chronos policy tries (even, as its zig-zag placement needs)
@@ -132,10 +134,14 @@ def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy
         memory = resolve_memory_plan(sc, costs, schedule)
     except MemoryInfeasibleError:
         return Evaluation(layers, False, None)
-    except SolverError as e:  # HiGHS hit its time limit with no plan: at this depth, no plan found in time
+    except SolverTimeoutError:  # the MILP's safety net: say so, never count it as "does not fit"
+        return Evaluation(layers, False, None, unknown=True, note=f"MILP timed out at {layers} layers")
+    except SolverError as e:  # the planner's verification or HiGHS' numerics failed: no plan at this depth
         return Evaluation(layers, False, None, variant=f"no plan: {e}")
-    if memory.planned is not None:  # the planner's plan fits by construction and is already simulated
-        return Evaluation(layers, True, memory.planned.simulated)
+    planned = memory.planned
+    if planned is not None:  # the planner's plan fits by construction and is already simulated
+        note = "" if planned.proven_optimal else f"MILP incumbent (gap {planned.mip_gap:.1%}) at {layers} layers"
+        return Evaluation(layers, True, planned.simulated, note=note)
     res = simulate(schedule, costs, memory=memory.plan)
     return Evaluation(layers, not res.oom_over_limit, res)
 
@@ -172,10 +178,13 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
             tried.append(run(var, treatment))
     best = _fastest(tried)
     if best is None:
+        timed_out = next((e for _, e in tried if e.unknown), None)
+        if timed_out is not None:  # some variant might have fitted: unknown, not "does not fit"
+            return Evaluation(layers, False, None, unknown=True, note=timed_out.note)
         return Evaluation(layers, False, None)
     (_, label, how), ev = best
     plan = "" if not policy.planner else (" planned" if how == treatment else " kept")
-    return Evaluation(layers, True, ev.result, variant=label + plan)
+    return Evaluation(layers, True, ev.result, variant=label + plan, note=ev.note)
 
 
 def _fastest(tried: list[tuple[tuple, Evaluation]]) -> tuple[tuple, Evaluation] | None:
@@ -184,7 +193,9 @@ def _fastest(tried: list[tuple[tuple, Evaluation]]) -> tuple[tuple, Evaluation] 
 
 
 def max_layers(fits: Callable[[int], Evaluation], step: int) -> Evaluation | None:
-    """Largest multiple of `step` that fits (doubling, then bisection); None if even `step` does not."""
+    """Largest multiple of `step` that fits (doubling, then bisection); None if even `step` does not. A depth
+    whose MILP timed out (`unknown`) bounds the search like a failure, so the answer is then a lower bound:
+    `capacity_table` notes it."""
     first = fits(step)
     if not first.fits:
         return None
@@ -237,6 +248,10 @@ class PolicyDepths:
             self._cache[layers] = evaluate(self.sc_path, self.overrides, self.policy, layers, self.bounds)
         return self._cache[layers]
 
+    def evaluated(self) -> dict[int, Evaluation]:
+        """Every depth evaluated so far."""
+        return dict(self._cache)
+
     def round_up(self, layers: float) -> int:
         return max(self.step, -(-int(layers * 1000) // (1000 * self.step)) * self.step)
 
@@ -288,6 +303,12 @@ def capacity_table(
                 "mfu": r.mfu,
                 "variant": best.variant,
             }
+        unknown = sorted(d for d, ev in fits.evaluated().items() if ev.unknown)
+        notes = [f"max_layers is a lower bound: the MILP timed out at {', '.join(map(str, unknown))} layers"
+                 ] if unknown else []
+        if best is not None and best.note and not best.unknown:
+            notes.append(best.note)
+        row["note"] = "; ".join(notes)
         row["scenario_layers"] = own
         row["fits_scenario_layers"] = bool(at_own.fits) if at_own is not None else None
         if at_own is not None and at_own.result is not None:
@@ -312,7 +333,7 @@ def capacity_table(
 
 
 # ---- the depth/speed frontier (`pipeplan capacity --frontier`) --------------------------------------------
-FRONTIER_COLUMNS = ["policy", "layers", "fits", "tokens_per_s", "layer_throughput_vs_1f1b", "variant"]
+FRONTIER_COLUMNS = ["policy", "layers", "fits", "tokens_per_s", "layer_throughput_vs_1f1b", "variant", "note"]
 
 
 def frontier_depths(lo: int, hi: int, step: int, points: int) -> list[int]:
@@ -353,7 +374,7 @@ def frontier_row(policy: str, ev: Evaluation, ref_layer_tokens_per_s: float) -> 
     tps = ev.result.tokens_per_s if ev.fits and ev.result is not None else None
     return {"policy": policy, "layers": ev.layers, "fits": ev.fits, "tokens_per_s": tps,
             "layer_throughput_vs_1f1b": None if tps is None else tps * ev.layers / ref_layer_tokens_per_s,
-            "variant": ev.variant}
+            "variant": ev.variant, "note": ev.note}
 
 
 def deepest_at(frontier: list[dict], fits: PolicyDepths, min_throughput: float,

@@ -11,6 +11,10 @@ class SolverError(PipeplanError):
     """HiGHS did not reach an optimal solution (time limit, numerical trouble, unbounded model)."""
 
 
+class SolverTimeoutError(SolverError):
+    """HiGHS ran into its wall-clock safety net: nothing is known about the model (neither fit nor no fit)."""
+
+
 class InfeasibleError(SolverError):
     """The LP has no feasible point: the constraints contradict each other."""
 

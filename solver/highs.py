@@ -10,6 +10,7 @@ as sparse (row, col, value) triplets passed to HiGHS in one `addRows` call per b
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
 import time
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
-from solver.errors import InfeasibleError, SolverError
+from solver.errors import InfeasibleError, SolverError, SolverTimeoutError
 
 FEASIBLE_POINT = 2  # HiGHS' primal_solution_status for "a feasible point is known" (kSolutionStatusFeasible)
 
@@ -53,6 +54,9 @@ class LPSolution:
     objective: float
     iterations: int
     wall_s: float
+    proven_optimal: bool = True  # False: a MILP's incumbent, kept when a work limit (node count) stopped it
+    mip_gap: float = 0.0  # HiGHS' relative gap |primal - dual bound| / |primal| at the end (0 for an LP)
+    dual_bound: float = math.nan  # a MILP's proven lower bound on the objective (the objective for an LP)
 
 
 class LinearProgram:
@@ -65,6 +69,7 @@ class LinearProgram:
             self._h.setOptionValue(key, value)
         self.num_columns = 0
         self.num_rows = 0
+        self._is_mip = False
 
     def add_variables(
         self, n: int, lb: float | np.ndarray = 0.0, ub: float | np.ndarray = np.inf
@@ -144,8 +149,11 @@ class LinearProgram:
         accept_incumbent: bool = False,
     ) -> LPSolution:
         """Minimise sum(costs * x[cols]) (every other column costs 0); `what` names the solve in errors.
-        `accept_incumbent`: a MILP stopped by its time limit returns its best feasible solution (for callers
-        that verify what they get, as the memory planner re-simulates every plan).
+        `accept_incumbent`: a MILP stopped by a work limit (mip_max_nodes, mip_max_leaves, ... — HiGHS reports
+        kSolutionLimit) returns its best feasible point flagged `proven_optimal=False`, with its gap (for
+        callers that verify what they get, as the memory planner re-simulates every plan). The wall-clock
+        `time_limit` is never accepted: what it returns depends on machine load, so it raises
+        SolverTimeoutError whatever it found.
 
         HiGHS keeps the basis of the previous solve, so a second objective on the same model starts warm.
         """
@@ -162,16 +170,29 @@ class LinearProgram:
         run_status = h.run()
         wall = time.perf_counter() - t0
         model_status = h.getModelStatus()
-        feasible = h.getInfo().primal_solution_status == FEASIBLE_POINT
-        if model_status == highspy.HighsModelStatus.kOptimal or (
-                accept_incumbent and model_status == highspy.HighsModelStatus.kTimeLimit and feasible):
-            info = h.getInfo()
+        info = h.getInfo()
+        feasible = info.primal_solution_status == FEASIBLE_POINT
+        optimal = model_status == highspy.HighsModelStatus.kOptimal
+        stopped_by_work = model_status in (highspy.HighsModelStatus.kSolutionLimit,
+                                           highspy.HighsModelStatus.kIterationLimit)
+        if optimal or (accept_incumbent and stopped_by_work and feasible):
             x = np.asarray(h.getSolution().col_value, dtype=np.float64)
             iters = int(info.simplex_iteration_count) + int(info.ipm_iteration_count)
-            return LPSolution(x, float(info.objective_function_value), iters, wall)
+            objective = float(info.objective_function_value)
+            is_mip = self._is_mip
+            gap = float(info.mip_gap) if is_mip else 0.0
+            bound = float(info.mip_dual_bound) if is_mip else objective
+            return LPSolution(x, objective, iters, wall, optimal, max(gap, 0.0) if math.isfinite(gap) else gap,
+                              bound)
         reason = h.modelStatusToString(model_status)
         if model_status == highspy.HighsModelStatus.kInfeasible:
             raise InfeasibleError(f"{self.name}: {what} is infeasible (HiGHS: {reason})")
+        if model_status == highspy.HighsModelStatus.kTimeLimit:
+            limit = h.getOptionValue("time_limit")[1]
+            raise SolverTimeoutError(
+                f"{self.name}: {what} ran past its {limit:g} s safety time limit (HiGHS: {reason}); nothing "
+                f"is known about this model, neither a fit nor no fit"
+            )
         raise SolverError(
             f"{self.name}: {what} ended without an optimum (HiGHS: {reason}; run: {run_status.name})"
         )
@@ -182,3 +203,4 @@ class LinearProgram:
         if cols.size:
             kinds = np.full(cols.size, highspy.HighsVarType.kInteger)
             self._h.changeColsIntegrality(int(cols.size), cols, kinds)
+            self._is_mip = True

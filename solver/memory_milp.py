@@ -66,6 +66,14 @@ from solver.highs import LinearProgram
 EPS = 1e-6
 TOLERANCE = 0.02
 ROUNDS = 4
+# Limit work, not time, so the answer never depends on machine load (docs/memory.md, "The MILP"): HiGHS stops
+# at the 1% gap or after MAX_NODES branch-and-bound nodes, one thread, a fixed seed; past the node limit the
+# incumbent is kept, flagged as not proven (every plan is re-simulated anyway). The time limit is only a
+# safety net; reaching it raises SolverTimeoutError, never a guess.
+MAX_NODES = 2000
+MILP_OPTIONS: dict[str, float | int | str | bool] = {
+    "mip_rel_gap": 1e-2, "mip_max_nodes": MAX_NODES, "threads": 1, "random_seed": 0, "time_limit": 600.0,
+}
 
 
 class MemoryInfeasibleError(InfeasibleError):
@@ -107,6 +115,9 @@ class MilpSolution:
     makespan_s: float  # T
     peak_hbm_bytes: float  # P
     wall_s: float
+    proven_optimal: bool = True  # False: HiGHS' incumbent at the node limit (MILP_OPTIONS), not proven
+    mip_gap: float = 0.0  # HiGHS' relative gap at the end (<= 1% when proven)
+    dual_bound: float = math.nan  # the proven lower bound on the objective (T, or P when minimising HBM)
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,8 @@ class MemoryPlanResult:
     choice: MemoryChoice
     solve_wall_s: float
     rounds: int
+    proven_optimal: bool = True  # the last round's MILP reached its 1% gap (else: a verified incumbent)
+    mip_gap: float = 0.0  # the last round's MILP gap
 
     @property
     def recompute_layers(self) -> np.ndarray:
@@ -236,7 +249,7 @@ def plan_memory(
         fits = not (res.peak_hbm_bytes > base.hbm_limit_bytes * (1 + 1e-9)).any()
         close = abs(res.makespan_s - t_pred) <= TOLERANCE * t_pred
         if fits and close:
-            return MemoryPlanResult(plan, t_pred, res, sol.choice, wall, rnd)
+            return MemoryPlanResult(plan, t_pred, res, sol.choice, wall, rnd, sol.proven_optimal, sol.mip_gap)
         if not fits:
             limit -= float((res.peak_hbm_bytes - base.hbm_limit_bytes).max())
         if res.stall_s is not None and res.makespan_s > t_pred:
@@ -248,12 +261,30 @@ def plan_memory(
     )
 
 
-def smallest_hbm_bytes(sc: Scenario, costs: CostTable, schedule: Schedule, allow_state_offload: bool = True) -> float:
+@dataclass(frozen=True)
+class SmallestHbm:
+    """The least peak HBM any plan reaches: `bytes` is a plan's peak; proven, it is the least within the MIP gap,
+    else (node limit) the least lies between `lower_bytes` (HiGHS' dual bound) and `bytes`."""
+
+    bytes: float
+    proven_optimal: bool
+    lower_bytes: float
+
+    def describe(self) -> str:
+        """`the smallest HBM that would do is 12.30 GiB`, or `... is at most 12.30 GiB (at least 11.90 GiB)`."""
+        if self.proven_optimal:
+            return f"the smallest HBM that would do is {self.bytes / 2**30:.2f} GiB"
+        return (f"the smallest HBM that would do is at most {self.bytes / 2**30:.2f} GiB (at least "
+                f"{self.lower_bytes / 2**30:.2f} GiB; the MILP stopped at its node limit)")
+
+
+def smallest_hbm_bytes(sc: Scenario, costs: CostTable, schedule: Schedule,
+                       allow_state_offload: bool = True) -> SmallestHbm:
     """The least peak HBM any keep/recompute/offload plan reaches (capacity as a variable, minimised)."""
     base = with_states(sc, costs, keep_everything(costs))
     sol = _solve(sc, costs, schedule, base, sc.memory.prefetch_lookahead, np.ones(costs.num_chunks), None,
                  allow_state_offload)
-    return sol.peak_hbm_bytes
+    return SmallestHbm(sol.peak_hbm_bytes, sol.proven_optimal, sol.dual_bound)
 
 
 @dataclass(frozen=True)
@@ -299,7 +330,7 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     mode = sc.memory.offload_weights
     fixed = weight_offload_mask(sc, n_c).astype(float)
     w_lo, w_hi = (np.zeros(n_c), np.ones(n_c)) if mode == "auto" else (fixed, fixed)
-    lp = LinearProgram("memory MILP", {"mip_rel_gap": 1e-2, "time_limit": 60.0})
+    lp = LinearProgram("memory MILP", MILP_OPTIONS)
     col = _Columns(
         lp.add_variables(n_c, 0, ch.layers), lp.add_variables(n_c, 0, ch.layers), lp.add_variables(n_c, 0, ch.layers),
         lp.add_variables(n_c, 0, 1), lp.add_variables(n_c, 0, 1),
@@ -332,15 +363,17 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     try:
         sol = lp.minimize(obj_cols, obj, what, accept_incumbent=True)  # every plan is re-simulated
     except InfeasibleError:
-        peak = smallest_hbm_bytes(sc, costs, schedule, allow_state_offload) if limit is not None else math.nan
+        least = (smallest_hbm_bytes(sc, costs, schedule, allow_state_offload).describe() if limit is not None
+                 else "the smallest HBM is unknown")
         raise MemoryInfeasibleError(
             f"memory: no keep/recompute/offload plan fits {base.hbm_limit_bytes / 2**30:.2f} GiB (capacity - "
-            f"margin); the smallest HBM that would do is {peak / 2**30:.2f} GiB"
+            f"margin); {least}"
         ) from None
     x = sol.x
     choice = MemoryChoice(np.rint(x[col.recompute]), np.rint(x[col.dram]), np.rint(x[col.nvme]),
                           np.rint(x[col.states_on_host]).astype(bool), np.rint(x[col.weights]).astype(bool))
-    return MilpSolution(choice, float(x[col.makespan]), float(x[col.peak]), sol.wall_s)
+    return MilpSolution(choice, float(x[col.makespan]), float(x[col.peak]), sol.wall_s, sol.proven_optimal,
+                        sol.mip_gap, sol.dual_bound)
 
 
 def _layer_choice_rows(rows: _Rows, col: _Columns, ch: _Chunks) -> None:

@@ -72,6 +72,7 @@ class FreezePlan:
     uniform_at_cap: BaselineResult | None = None  # every freezable action at min(cap, max_ratio)
     uniform_ratio_to_match: float | None = None  # least uniform ratio reaching the LP's makespan
     order_rounds: int = 1  # LP solves until the copy engines' order was stable (1 without offload)
+    memory_summary: dict = field(default_factory=dict)  # the memory MILP's record (memory.plan = true)
 
     @property
     def cap(self) -> float:
@@ -184,8 +185,10 @@ def plan_scenario(
         raise FreezeInputError(
             "costs: every forward and backward duration is 0; a step that takes no time has nothing to plan"
         )
-    memory = resolve_memory_plan(sc, costs, schedule).plan
-    return plan_freeze(schedule, costs, sc.freeze, baselines=baselines, memory=memory)
+    resolved = resolve_memory_plan(sc, costs, schedule)
+    plan = plan_freeze(schedule, costs, sc.freeze, baselines=baselines, memory=resolved.plan)
+    plan.memory_summary = resolved.summary() if resolved.planned is not None else {}
+    return plan
 
 
 def verify(lp_makespan_s: float, simulated_makespan_s: float, note: str = "") -> None:

@@ -33,7 +33,9 @@ class ScenarioMemory:
         if self.planned is not None:
             return {"memory_plan": list(self.plan.policy),
                     "memory_plan_predicted_makespan_s": self.planned.predicted_makespan_s,
-                    "memory_plan_solve_wall_s": self.planned.solve_wall_s}
+                    "memory_plan_solve_wall_s": self.planned.solve_wall_s,
+                    "memory_plan_proven_optimal": self.planned.proven_optimal,
+                    "memory_plan_mip_gap": self.planned.mip_gap}
         if self.choice is not None:
             return {"memory_plan": list(self.plan.policy)}
         return {"memory_policy": list(self.plan.policy)} if any(p != "none" for p in self.plan.policy) else {}

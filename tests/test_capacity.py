@@ -84,7 +84,8 @@ def test_capacity_frontier_cli(tmp_path, capsys):
     assert main(["capacity", SEVENTY, "--policies", "v-half", "--frontier", "--points", "3", "--out", str(out)]) == 0
     cap = pd.read_csv(out / "capacity.csv").set_index("policy")
     fr = pd.read_csv(out / "frontier.csv")
-    assert list(fr.columns) == ["policy", "layers", "fits", "tokens_per_s", "layer_throughput_vs_1f1b", "variant"]
+    assert list(fr.columns) == ["policy", "layers", "fits", "tokens_per_s", "layer_throughput_vs_1f1b", "variant",
+                                "note"]
     assert set(fr["policy"]) == {"1f1b", "v-half"}  # 1f1b joins as the reference
     assert (out / "frontier.png").exists()
     ref = cap.loc["1f1b", "tokens_per_s"] * cap.loc["1f1b", "max_layers"]
@@ -120,3 +121,28 @@ def test_joint_chronos_is_at_least_every_v_schedule_and_memory_policy():
         for other in ("1f1b", "1f1b+recompute", "v-half", "chronos", "chronos+recomp"):
             assert best >= speed[other, layers] * (1 - 1e-2), (other, layers)
     assert speed["chronos", 16] > speed["v-half", 16] > 0
+
+
+def test_a_timed_out_milp_is_reported_not_counted_as_no_fit(monkeypatch):
+    """The MILP's safety time limit says nothing about the depth: the evaluation is `unknown`, and the capacity
+    row says its max_layers is a lower bound and where the search was cut, instead of a silent "no fit"."""
+    import analysis.capacity as capacity
+    from analysis.capacity import POLICIES, capacity_table, evaluate
+    from solver.errors import SolverTimeoutError
+
+    real = capacity.resolve_memory_plan
+    plain = capacity_table(SEVENTY, ["1f1b"])[0]
+    cut = plain["max_layers"] // 2  # from here on, pretend the MILP times out
+
+    def slow(sc, costs, schedule, *a):
+        if sc.model.layers > cut:
+            raise SolverTimeoutError("memory MILP: ran past its safety time limit")
+        return real(sc, costs, schedule, *a)
+
+    monkeypatch.setattr(capacity, "resolve_memory_plan", slow)
+    ev = evaluate(SEVENTY, {}, POLICIES["1f1b"], plain["max_layers"])
+    assert (ev.fits, ev.unknown) == (False, True) and "timed out" in ev.note
+    row = capacity_table(SEVENTY, ["1f1b"])[0]
+    assert row["max_layers"] <= cut < plain["max_layers"]
+    assert row["note"].startswith("max_layers is a lower bound: the MILP timed out at")
+    assert plain["note"] == ""

@@ -110,6 +110,7 @@ def write_plan(plan: FreezePlan, folder: Path, scenario_name: str = "", about: s
         "bubble_ratio_before": plan.baseline.bubble_ratio,
         "bubble_ratio_after": plan.planned.bubble_ratio,
         "memory_policy": list(plan.memory.policy) if plan.memory is not None else None,
+        **{k: v for k, v in plan.memory_summary.items() if k != "memory_plan"},
         "peak_hbm_bytes_before": float(plan.baseline.peak_hbm_bytes.max()),
         "peak_hbm_bytes_after": float(plan.planned.peak_hbm_bytes.max()),
         "fits_hbm_after": not plan.planned.oom_over_limit,

@@ -1,0 +1,82 @@
+"""The memory MILP stops on work, not time: the same model gives the same plan on any machine load, and a plan
+cut short by the node limit is flagged as HiGHS' incumbent, with its gap, never passed off as the optimum."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import solver.memory_milp as memory_milp
+from scenarios import scenario_path
+from sim.config import load_scenario
+from sim.costs import build_cost_table
+from sim.memory import keep_everything, with_states
+from sim.step import resolve_schedule
+from solver.errors import SolverTimeoutError
+from solver.highs import LinearProgram
+
+SEVENTY = scenario_path("llama2-70b-48l-pp8-tp8-a100")
+
+
+def multi_knapsack(options: dict) -> LinearProgram:
+    """max v·x subject to 8 random knapsack rows, x binary: small, but HiGHS needs ~25 nodes to prove it."""
+    rng = np.random.default_rng(1)
+    n, m = 60, 8
+    weights, values = rng.integers(10, 100, (m, n)), rng.integers(10, 100, n)
+    lp = LinearProgram("knapsack", {"threads": 1, "random_seed": 0, "mip_rel_gap": 1e-4, **options})
+    x = lp.add_variables(n, 0, 1)
+    lp.set_integer(x)
+    lp.add_rows(-np.inf, weights.sum(axis=1) / 2, np.repeat(np.arange(m), n), np.tile(x, m), weights.ravel())
+    lp._values = values  # the objective, kept with the model for the test
+    return lp
+
+
+def test_a_node_limit_returns_the_incumbent_flagged_with_its_gap():
+    full = multi_knapsack({}).minimize(np.arange(60), -multi_knapsack({})._values, "knapsack")
+    assert full.proven_optimal and full.mip_gap <= 1e-4
+    lp = multi_knapsack({"mip_max_nodes": 2})
+    cut = lp.minimize(np.arange(60), -lp._values, "knapsack", accept_incumbent=True)
+    assert not cut.proven_optimal
+    assert cut.mip_gap > 1e-4  # not closed; the bound brackets the true optimum
+    assert cut.dual_bound <= full.objective + 1e-9 <= cut.objective + 1e-9
+    with pytest.raises(memory_milp.SolverError, match="without an optimum"):  # not accepted unless asked
+        multi_knapsack({"mip_max_nodes": 2}).minimize(np.arange(60), -lp._values, "knapsack")
+
+
+def test_the_safety_time_limit_raises_its_own_error():
+    lp = multi_knapsack({"time_limit": 1e-9})
+    with pytest.raises(SolverTimeoutError, match="safety time limit"):
+        lp.minimize(np.arange(60), -lp._values, "knapsack", accept_incumbent=True)
+
+
+def _solve(sc, options=None):
+    costs, sched = build_cost_table(sc), resolve_schedule(sc)
+    base = with_states(sc, costs, keep_everything(costs))
+    return memory_milp._solve(sc, costs, sched, base, sc.memory.prefetch_lookahead, np.ones(costs.num_chunks),
+                              base.hbm_limit_bytes, True)
+
+
+def test_the_same_memory_milp_solved_twice_gives_the_same_plan():
+    sc = load_scenario(SEVENTY, {"pipeline.schedule": "chronos", "pipeline.virtual_stages": 2})
+    a, b = _solve(sc), _solve(sc)
+    assert a.proven_optimal and a.mip_gap <= 1e-2
+    assert a.choice.to_dict() == b.choice.to_dict()
+    assert (a.makespan_s, a.peak_hbm_bytes) == (b.makespan_s, b.peak_hbm_bytes)
+
+
+def test_a_tiny_node_limit_yields_an_incumbent_flagged_as_such(monkeypatch):
+    sc = load_scenario(SEVENTY, {"pipeline.schedule": "chronos", "pipeline.virtual_stages": 2})
+    proven = _solve(sc)
+    # this model closes its gap at the root node, so stop it at its first incumbent instead (another work limit)
+    monkeypatch.setattr(memory_milp, "MILP_OPTIONS", {**memory_milp.MILP_OPTIONS, "mip_rel_gap": 0.0,
+                                                      "mip_max_improving_sols": 1})
+    cut = _solve(sc)
+    assert not cut.proven_optimal and cut.mip_gap > 0
+    assert cut.dual_bound <= cut.makespan_s + 1e-9  # the proven bound lies below the incumbent's step
+    assert cut.makespan_s >= proven.makespan_s * (1 - 1e-2)  # proven is within 1% of the optimum
+
+
+def test_an_unproven_smallest_hbm_is_stated_as_at_most():
+    low = memory_milp.SmallestHbm(12 * 2**30, False, 11 * 2**30).describe()
+    assert "at most 12.00 GiB" in low and "at least 11.00 GiB" in low
+    assert memory_milp.SmallestHbm(12 * 2**30, True, 12 * 2**30).describe().endswith("is 12.00 GiB")
