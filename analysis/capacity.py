@@ -93,7 +93,10 @@ def chronos_variants(stages: int, microbatches: int, layers: int) -> list[dict[s
     whole-rank microbatch below it, and 1F1B's p microbatches (the list scheduler gains little above:
     docs/memory.md); each with W deferred as usual (the stash limit's default), with the W stash counted
     against the cap (stash limit = cap), or with no stash (0: full B). Every chronos policy tries the same
-    set, so one with more memory treatments is never slower than one with fewer."""
+    set of orders, but not the same plans in each: `chronos+recomp` applies the chronos recompute rule to every
+    variant and never tries keep-everything, and the planner runs the MILP only at chronos' own cap (keeping
+    everything elsewhere), so a policy with more memory treatments is not guaranteed to be faster than one
+    with fewer at every depth."""
     out = []
     for v in JOINT_V:
         if layers < stages * v:

@@ -70,7 +70,7 @@ ROUNDS = 4
 # at the 1% gap or after MAX_NODES branch-and-bound nodes, one thread, a fixed seed; past the node limit the
 # incumbent is kept, flagged as not proven (every plan is re-simulated anyway). The time limit is only a
 # safety net; reaching it raises SolverTimeoutError, never a guess.
-MAX_NODES = 2000
+MAX_NODES = 1000
 MILP_OPTIONS: dict[str, float | int | str | bool] = {
     "mip_rel_gap": 1e-2, "mip_max_nodes": MAX_NODES, "threads": 1, "random_seed": 0, "time_limit": 600.0,
 }
