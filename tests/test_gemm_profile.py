@@ -55,7 +55,7 @@ def test_fit_is_never_beaten_by_a_grid_over_many_noisy_cases():
     """Brute force over 300 seeded noisy cases (2-7 random GEMMs, 20% log noise, random g and B): no point of
     a fine 2-D grid in (ln g, ln B) has a lower objective than the fit. Splitting the points at n + 1
     thresholds and taking per-side means alone loses here when a point sits on the kink or the g <= 1 cap
-    binds (16 of these 300 cases, by up to 74% in loss)."""
+    binds (15 of these 300 cases, by up to 50% in loss)."""
     rng = np.random.default_rng(0)
     for _ in range(300):
         n = int(rng.integers(2, 8))
