@@ -23,6 +23,7 @@ from solver.errors import InfeasibleError, SolverError, SolverTimeoutError
 
 FEASIBLE_POINT = 2  # HiGHS' primal_solution_status for "a feasible point is known" (kSolutionStatusFeasible)
 
+THREADS = 1  # every Highs of the process (see _new_highs)
 AT_LOWER, BASIC, AT_UPPER = 0, 1, 2  # basis states for `LinearProgram.set_basis`
 _banner_silenced = False
 
@@ -45,6 +46,10 @@ def _new_highs() -> highspy.Highs:
             os.close(devnull)
         _banner_silenced = True
     h.setOptionValue("output_flag", os.environ.get("PIPEPLAN_HIGHS_LOG") == "1")
+    # HiGHS' thread pool is global, sized by the first solve of the process: every model asks for the same
+    # count, else a later one asking for another fails `run()` with kError. One thread: the memory MILP's
+    # answer must not depend on the machine (its node limit does the rest); the LPs run serial simplex anyway.
+    h.setOptionValue("threads", THREADS)
     return h
 
 

@@ -66,13 +66,13 @@ from solver.highs import LinearProgram
 EPS = 1e-6
 TOLERANCE = 0.02
 ROUNDS = 4
-# Limit work, not time, so the answer never depends on machine load (docs/memory.md, "The MILP"): HiGHS stops
-# at the 1% gap or after MAX_NODES branch-and-bound nodes, one thread, a fixed seed; past the node limit the
-# incumbent is kept, flagged as not proven (every plan is re-simulated anyway). The time limit is only a
-# safety net; reaching it raises SolverTimeoutError, never a guess.
+# Limit work, not time, so the answer never depends on machine load (docs/memory.md, the MILP section): HiGHS
+# stops at the 1% gap or after MAX_NODES branch-and-bound nodes, with a fixed seed and one thread
+# (solver.highs); past the node limit the incumbent is kept, flagged as not proven (every plan is re-simulated
+# anyway). The time limit is only a safety net; reaching it raises SolverTimeoutError, never a guess.
 MAX_NODES = 1000
 MILP_OPTIONS: dict[str, float | int | str | bool] = {
-    "mip_rel_gap": 1e-2, "mip_max_nodes": MAX_NODES, "threads": 1, "random_seed": 0, "time_limit": 600.0,
+    "mip_rel_gap": 1e-2, "mip_max_nodes": MAX_NODES, "random_seed": 0, "time_limit": 600.0,  # threads: highs.py
 }
 
 

@@ -23,7 +23,7 @@ def multi_knapsack(options: dict) -> LinearProgram:
     rng = np.random.default_rng(1)
     n, m = 60, 8
     weights, values = rng.integers(10, 100, (m, n)), rng.integers(10, 100, n)
-    lp = LinearProgram("knapsack", {"threads": 1, "random_seed": 0, "mip_rel_gap": 1e-4, **options})
+    lp = LinearProgram("knapsack", {"random_seed": 0, "mip_rel_gap": 1e-4, **options})
     x = lp.add_variables(n, 0, 1)
     lp.set_integer(x)
     lp.add_rows(-np.inf, weights.sum(axis=1) / 2, np.repeat(np.arange(m), n), np.tile(x, m), weights.ravel())
@@ -41,6 +41,17 @@ def test_a_node_limit_returns_the_incumbent_flagged_with_its_gap():
     assert cut.dual_bound <= full.objective + 1e-9 <= cut.objective + 1e-9
     with pytest.raises(memory_milp.SolverError, match="without an optimum"):  # not accepted unless asked
         multi_knapsack({"mip_max_nodes": 2}).minimize(np.arange(60), -lp._values, "knapsack")
+
+
+def test_an_lp_then_a_milp_share_highs_thread_pool():
+    """HiGHS sizes its global thread pool on the first solve; a later model asking for another count would
+    fail with kError. Every model gets the same count from the adapter, so an LP first does no harm."""
+    lp = LinearProgram("lp")
+    x = lp.add_variables(3, 0, 1)
+    lp.add_rows(1, 2, np.zeros(3), x, np.ones(3))
+    assert lp.minimize(x, 1.0, "lp").objective == pytest.approx(1.0)
+    milp = multi_knapsack({})
+    assert milp.minimize(np.arange(60), -milp._values, "knapsack").proven_optimal
 
 
 def test_the_safety_time_limit_raises_its_own_error():
