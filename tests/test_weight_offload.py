@@ -8,10 +8,10 @@ import pytest
 
 from scenarios import scenario_path
 from sim.config import load_scenario
-from sim.costs import build_cost_table
+from sim.costs import build_cost_table, per_rank_sum
 from sim.engine import simulate
 from sim.errors import ScenarioError
-from sim.graph import weight_windows
+from sim.graph import starts_away, weight_windows
 from sim.ir import Kind
 from sim.memory import build_memory_plan
 from sim.step import resolve_schedule
@@ -36,8 +36,51 @@ def test_windows_follow_the_lookahead():
     rank0 = [(w.chunk, w.release_after, w.next_use, w.issuer) for w in windows if w.chunk in (0, 15)]
     # chunk 0: out after F0 (node 0), back for I0 (node 4), fetched as W15 (node 3) starts; both out after their
     # last use; chunk 15 is used back to back, so only its step-boundary window exists
-    assert rank0 == [(0, 0, 4, 3), (0, 5, -1, -1), (15, 3, -1, -1)]
+    # chunk 0: out after F0 (node 0), back for I0 (node 4), fetched as W15 (node 3) starts. Neither chunk
+    # leaves across the step boundary: chunk 0 is first used at position 0 and chunk 15 at position 1, within
+    # the lookahead, so no in-step prefetch could bring them back (they stay in HBM)
+    assert rank0 == [(0, 0, 4, 3)]
+    assert not starts_away(schedule, 1).any()
     assert not [w for w in weight_windows(schedule, 3) if w.chunk == 0 and w.next_use >= 0]  # gap 4 <= 3 + 1
+    # lookahead 0: chunk 15 (first use at position 1) starts away, fetched as its first use starts, and leaves
+    # after its last use (W15, node 3): the boundary window read cyclically
+    windows = weight_windows(schedule, 0)
+    rank0 = [(w.chunk, w.release_after, w.next_use, w.issuer) for w in windows if w.chunk in (0, 15)]
+    assert rank0 == [(0, 0, 4, 4), (15, -1, 1, 1), (15, 3, -1, -1)]
+
+
+def test_1f1b_offloads_nothing_and_costs_nothing():
+    """1F1B holds one chunk per rank, used back to back within the lookahead from the step's first action:
+    no window, so offloading its weights changes nothing, with the optimizer on the GPU or on the host (the
+    reviewed bug: every chunk released after its last use with nothing to bring it back, and a host
+    optimizer's weights-back copy dropped, shortened the step for free)."""
+    base = {"pipeline.schedule": "1f1b", "pipeline.virtual_stages": 1, "pipeline.microbatches": 8, "model.layers": 32}
+    for states in ({}, {"memory.optimizer": "dram", "memory.master_weights": "dram"}):
+        schedule, kept_plan, kept = _run({**base, **states})
+        _, plan, away = _run({**base, **states, "memory.offload_weights": "all"})
+        assert weight_windows(schedule, plan.prefetch_lookahead) == []
+        assert not plan.offloads_weights
+        np.testing.assert_array_equal(plan.step_h2d_bytes, kept_plan.step_h2d_bytes)
+        assert away.makespan_s == kept.makespan_s and away.step_time_s == kept.step_time_s
+        np.testing.assert_array_equal(away.peak_hbm_bytes, kept.peak_hbm_bytes)
+
+
+@pytest.mark.parametrize("name", ["zbv", "v-half", "chronos", "interleaved-1f1b"])
+@pytest.mark.parametrize("optimizer", ["hbm", "dram"])
+def test_offloading_weights_never_shortens_a_step_it_does_not_lower(name, optimizer):
+    """Weights that leave HBM come back on a copy the step pays for: a step whose peak offloading does not
+    lower is never shorter (the pipeline's makespan and the whole step's time), over schedules, microbatch
+    counts, lookaheads and optimizer placements."""
+    for m, lookahead in ((1, 1), (4, 1), (8, 2), (8, 1)):
+        o = {"pipeline.schedule": name, "pipeline.virtual_stages": 2, "pipeline.microbatches": m,
+             "model.layers": 32, "memory.prefetch_lookahead": lookahead,
+             "memory.optimizer": optimizer, "memory.master_weights": optimizer}
+        *_, kept = _run(o)
+        *_, away = _run({**o, "memory.offload_weights": "all"})
+        if away.peak_hbm_bytes.max() < kept.peak_hbm_bytes.max():
+            continue
+        assert away.makespan_s >= kept.makespan_s - 1e-12, (m, lookahead)
+        assert away.step_time_s >= kept.step_time_s - 1e-12, (m, lookahead)
 
 
 def test_peak_falls_by_the_weights_away_at_the_peak():
@@ -65,12 +108,41 @@ def test_copy_time_appears_when_the_link_cannot_hide_it():
         assert c.end_s - c.start_s == pytest.approx(plan.weight_offload_bytes[c.stage] / plan.host_link_bps)
 
 
-def test_host_optimizer_keeps_the_weights_there():
-    states = {"memory.optimizer": "dram", "memory.master_weights": "dram"}
-    _, kept, _ = _run({**ONE_MB, **states})
-    _, away, _ = _run({**ONE_MB, **states, "memory.offload_weights": "all"})
-    # the update writes the weights on the host: the step's weights-back copy is gone (fetched at next use)
-    np.testing.assert_allclose(away.step_h2d_bytes, kept.step_h2d_bytes - away.weight_offload_bytes)
+def test_the_step_boundary_prices_every_return():
+    """sim.memory.with_weight_offload's rule, checked per chunk against sim.graph.starts_away: a host
+    optimizer drops the weights-back copy of exactly the chunks that start the step away (an in-step prefetch
+    brings those back); a GPU optimizer refreshes every offloading chunk's host copy (d2h) and brings the
+    start-away ones back for the update (h2d), which the engine holds in HBM during the optimizer step."""
+    o = {"pipeline.schedule": "zbv", "pipeline.virtual_stages": 2, "pipeline.microbatches": 8, "model.layers": 32,
+         "memory.prefetch_lookahead": 1}
+    host = {"memory.optimizer": "dram", "memory.master_weights": "dram"}
+    schedule, kept, _ = _run({**o, **host})
+    _, away, _ = _run({**o, **host, "memory.offload_weights": "all"})
+    start_away = starts_away(schedule, 1)
+    assert start_away.any() and not start_away.all()
+    w = away.weight_offload_bytes
+    np.testing.assert_allclose(away.step_h2d_bytes, kept.step_h2d_bytes - np.where(start_away, w, 0.0))
+    np.testing.assert_array_equal(away.step_d2h_bytes, kept.step_d2h_bytes)
+    assert not away.step_weight_bytes.any()
+
+    *_, gpu_kept_run = _run(o)
+    _, gpu, gpu_run = _run({**o, "memory.offload_weights": "all"})
+    np.testing.assert_allclose(gpu.step_d2h_bytes, w)
+    np.testing.assert_allclose(gpu.step_h2d_bytes, np.where(start_away, w, 0.0))
+    np.testing.assert_allclose(gpu.step_weight_bytes, np.where(start_away, w, 0.0))
+    # during the optimizer step (the record each rank makes at its last action's end) a GPU optimizer holds
+    # every chunk's weights: static HBM in full; a host optimizer leaves the start-away chunks on the host
+    per_rank = per_rank_sum(np.where(start_away, w, 0.0), np.asarray(schedule.stage_to_rank), schedule.num_ranks)
+    np.testing.assert_allclose(_optimizer_step_static(gpu_run), gpu_run.static_bytes)
+    np.testing.assert_allclose(_optimizer_step_static(gpu_kept_run), gpu_kept_run.static_bytes)
+    host_run = _run({**o, **host, "memory.offload_weights": "all"})[2]
+    np.testing.assert_allclose(_optimizer_step_static(host_run), host_run.static_bytes - per_rank)
+
+
+def _optimizer_step_static(result) -> np.ndarray:
+    """Per rank, the static HBM the engine records as its optimizer step starts (its second-to-last record)."""
+    records = [[rec for rec in result.memory if rec[0] == r] for r in range(result.schedule.num_ranks)]
+    return np.asarray([recs[-2][3] for recs in records])
 
 
 def test_auto_needs_the_planner():
