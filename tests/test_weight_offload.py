@@ -172,7 +172,7 @@ def test_memory_milp_offloads_weights_when_it_pays():
 
 
 # ---- the runtime: parameters leave the device between uses, results bit for bit ----------------------------
-def _zbv_one_rank(offload_weights):
+def _zbv_one_rank(offload_weights, lookahead=1):
     import torch
 
     from runtime.executor import PipelineExecutor
@@ -188,39 +188,48 @@ def _zbv_one_rank(offload_weights):
     torch.manual_seed(0)
     chunks = {s: build_chunk(args, s, layer_ranges([2, 2]), cpu) for s in range(2)}
     p2p = P2P(sched, 0, (2, args.seq_len, args.dim), torch.float32, cpu)
-    ex = PipelineExecutor(sched, 0, chunks, p2p, cpu, offload_weights=offload_weights, weight_lookahead=1)
-    traces = [ex.run_step(batches(4, step)) for step in range(2)]  # two steps: the host copy is refreshed
+    ex = PipelineExecutor(sched, 0, chunks, p2p, cpu, offload_weights=offload_weights, weight_lookahead=lookahead)
+    traces, logs = [], []
+    for step in range(2):  # two steps: the host copy is refreshed, and the log holds one step's events
+        traces.append(ex.run_step(batches(4, step)))
+        logs.append(list(ex.weights.log) if ex.weights is not None else [])
     grads = {(s, n): p.grad.clone() for s, c in chunks.items() for n, p in c.named_parameters()}
-    return sched, ex, traces, grads
+    return sched, logs, traces, grads
 
 
-def test_runtime_weight_offload_is_bit_identical_and_follows_the_windows():
+# lookahead 1: both chunks stay across the boundary (first uses at positions 0 and 1); lookahead 0: chunk 1
+# starts each step away, fetched as its first use starts, and comes back for the optimizer step at the end
+@pytest.mark.parametrize("lookahead", [1, 0])
+def test_runtime_weight_offload_is_bit_identical_and_follows_the_windows(lookahead):
     import torch
 
-    sched, _, plain_traces, plain_grads = _zbv_one_rank(None)
-    _, ex, traces, grads = _zbv_one_rank([True, True])
+    sched, _, plain_traces, plain_grads = _zbv_one_rank(None, lookahead)
+    _, logs, traces, grads = _zbv_one_rank([True, True], lookahead)
     assert [t.losses for t in traces] == [t.losses for t in plain_traces]
     assert grads.keys() == plain_grads.keys()
     assert all(torch.equal(grads[k], plain_grads[k]) for k in grads)
-    # the executed events are the simulator's windows, step after step
-    windows = weight_windows(sched, 1)
-    expected = []
+    # the executed events are the simulator's windows, step after step: every chunk with a window has its
+    # host copy refreshed at the start, and the chunks that start away come back at the end
+    windows = weight_windows(sched, lookahead)
+    expected = [("refresh", -1, c) for c in sorted({w.chunk for w in windows})]
     for w in windows:
         expected.append(("release", w.release_after, w.chunk))  # -1: at the step's start
         if w.next_use >= 0:
             expected += [("prefetch", w.issuer, w.chunk), ("ready", w.next_use, w.chunk)]
-    restored = [("restore", -1, c) for c in sorted({w.chunk for w in windows})]
-    step_log = ex.weights.log[: len(ex.weights.log) // 2]
-    assert sorted(e for e in step_log if e[0] != "restore") == sorted(expected)
-    assert [e for e in step_log if e[0] == "restore"] == restored
-    assert step_log == ex.weights.log[len(ex.weights.log) // 2:]
+    away = np.flatnonzero(starts_away(sched, lookahead)).tolist()
+    assert away == ([] if lookahead else [1])
+    expected += [e for c in away for e in (("prefetch", -1, c), ("restore", -1, c))]
+    step_log = logs[0]
+    assert sorted(step_log) == sorted(expected)
+    assert [e for e in step_log if e[0] == "restore"] == [("restore", -1, c) for c in away]
+    assert logs[1] == step_log
     # a chunk never runs while its weights are away
-    away = set()
+    held = {c for what, at, c in step_log if what == "release" and at == -1}  # away from the step's start
     for pos, a in enumerate(sched.ranks[0]):
         for what, at, c in step_log:
             if at == pos and what == "ready":
-                away.discard(c)
-        assert a.stage not in away
+                held.discard(c)
+        assert a.stage not in held
         for what, at, c in step_log:
             if at == pos and what == "release":
-                away.add(c)
+                held.add(c)
