@@ -3,12 +3,18 @@
 The windows are the simulator's (sim.graph.weight_windows): a chunk's weights leave after the action that
 opens a window and come back before its next use, fetched on the copy stream (runtime/streams.py) when the
 action `lookahead` places earlier starts, so the copy overlaps that compute. Leaving costs no copy: the host
-holds a current copy of the chunk's parameters (pinned on CUDA), refreshed once per step at its start, after
-the previous optimizer step changed them. A released parameter keeps its Parameter object (optimizer,
-autograd graph and names are untouched) with an empty tensor in place of its data, so a use the plan did not
-prefetch fails loudly instead of computing on stale values; autograd's saved references see the data
-swapped back before the backward that reads them. At the step's end every chunk is back on the device for
-the optimizer step (the simulator prices that as the host-copy refresh after the update).
+holds a current copy of the chunk's parameters (pinned on CUDA). A released parameter keeps its Parameter
+object (optimizer, autograd graph and names are untouched) with an empty tensor in place of its data, so a
+use the plan did not prefetch fails loudly instead of computing on stale values; autograd's saved
+references see the data swapped back before the backward that reads them.
+
+The step boundary follows sim.memory.with_weight_offload's rule for an optimizer on the device (torch.optim
+updates the parameters in place): only the chunks that start the step away (sim.graph.starts_away) are off
+the device at the step's end; `end_step` brings them back for the update on the copy stream (the step's h2d
+copy), and `begin_step`, after the update, refreshes every offloading chunk's host copy on the copy stream
+(the step's d2h copy) and releases the chunks that start away. The copy stream is FIFO, so a prefetch
+issued later reads the refreshed copy without the host waiting for it; `end_step` makes the compute stream
+wait for the refresh before the next update writes the parameters. `log` holds the current step's events.
 """
 
 from __future__ import annotations
@@ -70,16 +76,20 @@ class WeightOffload:
 
     # ---- the step ------------------------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Refresh the host copies (the optimizer changed the weights) and release the chunks that start out."""
-        for c in sorted({c for cs in self.release_after.values() for c in cs} | set(self.start_away)):
-            params = list(self.chunks[c].parameters())
-            if c not in self._host:
-                self._host[c] = [self.stream.host_empty(p.shape, p.dtype) for p in params]
-            self.stream.wait_for_compute()
-            with self.stream.use():
+        """After the optimizer step: refresh the host copies on the copy stream, then release the chunks that
+        start the step away (the copy stream keeps their device memory until it has read it)."""
+        self.log = []
+        self.stream.wait_for_compute()  # the update's writes come first
+        with self.stream.use():
+            for c in sorted({c for cs in self.release_after.values() for c in cs} | set(self.start_away)
+                            | {c for cs in self.issue_at.values() for _, c in cs}):
+                params = list(self.chunks[c].parameters())
+                if c not in self._host:
+                    self._host[c] = [self.stream.host_empty(p.shape, p.dtype) for p in params]
                 for h, p in zip(self._host[c], params, strict=True):
                     h.copy_(p.data, non_blocking=True)
-            self.stream.synchronize()
+                    self.stream.keep_alive(p.data)
+                self.log.append(("refresh", -1, c))
         for c in self.start_away:
             self._release(c, -1)
 
@@ -103,11 +113,17 @@ class WeightOffload:
             self._release(c, pos)
 
     def end_step(self) -> None:
-        """Every chunk back on the device for the optimizer step."""
+        """Bring the chunks that are away (those that start the step away) back for the optimizer's update, on
+        the copy stream; the compute stream waits for it (and for the step's refresh of the host copies)."""
         for c in sorted(self._away):
-            for p, h in zip(self.chunks[c].parameters(), self._host[c], strict=True):
-                p.data = h.to(self.device, copy=True)
+            self._prefetch(-1, c, -1)
+        CopyStream.wait(self.stream.record())
+        for (_use, c), fetch in sorted(self._fetches.items()):
+            for p, t in zip(self.chunks[c].parameters(), fetch.tensors, strict=True):
+                CopyStream.hand_over(t)
+                p.data = t
             self.log.append(("restore", -1, c))
+        self._fetches.clear()
         self._away.clear()
 
     def _release(self, c: int, pos: int) -> None:

@@ -20,6 +20,8 @@ the optimizer step's copies after each chunk's last backward. Weight offload (si
 an offloading chunk's weights leave HBM when the action that opens a window ends (the host keeps their
 copy, so leaving costs no copy) and come back on the h2d engine, queued when the window's issuer starts
 (before that action's activation prefetches), allocating HBM when the copy starts; the next use waits.
+What the optimizer step does with weights away at the step's end is sim.memory.with_weight_offload's rule:
+the engine holds `step_weight_bytes` in HBM during the step and runs the copies it priced in the side chains.
 """
 
 from __future__ import annotations
@@ -242,6 +244,9 @@ class _StepSimulation:
         self.stash = mem.stash_bytes.tolist() if len(mem.stash_bytes) else [0.0] * schedule.num_stages
         self.step_transient = per_rank_sum(mem.step_transient_bytes, s2r, n_ranks).tolist() \
             if len(mem.step_transient_bytes) else [0.0] * n_ranks
+        # offloaded weights that return for a GPU optimizer's update (sim.memory.with_weight_offload)
+        self.step_weights = per_rank_sum(mem.step_weight_bytes, s2r, n_ranks).tolist() \
+            if len(mem.step_weight_bytes) else [0.0] * n_ranks
         self.step_tail = costs.step_tail_s.tolist() if costs.step_tail_s is not None else [0.0] * n_ranks
         self.peak_dram, self.peak_nvme = list(self.dram), list(self.nvme)
         self.busy = [0.0] * n_ranks
@@ -491,16 +496,21 @@ class _StepSimulation:
 
     def _optimizer_step(self) -> float:
         """After each rank's last action: its DP reduction and optimizer step (costs.step_tail_s) and the step's
-        transient memory. Returns when the last rank's step ends (SimResult.step_time_s); the pipeline's
-        makespan, which the freeze planner reproduces, excludes it."""
+        transient memory, with the offloaded weights a GPU optimizer brings back to update
+        (MemoryPlan.step_weight_bytes; a host optimizer updates its own copy and they stay away). Returns
+        when the last rank's step ends (SimResult.step_time_s); the pipeline's makespan, which the freeze
+        planner reproduces, excludes it."""
         done = 0.0
         for r, slots in enumerate(self.rank_slices):
             last = max((self.end[i] for i in slots), default=0.0)
             end = last + self.step_tail[r]
-            if self.step_transient[r]:
+            back = self.step_weights[r]  # weights away at the step's end that a GPU optimizer updates in HBM
+            if self.step_transient[r] or back:
                 self.live[r] += self.step_transient[r]
+                self.away[r] -= back
                 self._record(r, last, "optimizer step")
                 self.live[r] -= self.step_transient[r]
+                self.away[r] += back
                 self._record(r, end)
             done = max(done, end)
         return done

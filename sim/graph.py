@@ -12,7 +12,8 @@ activation; B or I (s, mb) consumes its own F(s, mb) and the input gradient of t
                     the host (today the optimizer step's copies); the engine runs them, the graph adds them.
     prefetch_issuer which action's start issues each backward's prefetch (the offload lookahead).
     weight_windows  when a chunk's working weights may leave HBM (between uses further apart than the
-                    lookahead, and across the step boundary) and which action's start fetches them back.
+                    lookahead, and across the step boundary when an in-step prefetch brings them back) and
+                    which action's start fetches them back.
     StepGraph       the structure timed: nodes with durations, edges u -> v meaning start(v) >= finish(u) +
                     delay, as arrays. Node kinds are compute actions, link transfers and copy-engine copies
                     (activation offload / prefetch, the optimizer step's copies). The freeze LP
@@ -453,9 +454,12 @@ def weight_windows(schedule: Schedule, lookahead: int, chunks: np.ndarray | None
     A chunk uses its weights in every one of its actions (F, B, I; W too: its gradients accumulate next to
     them). Between two uses at positions k1 < k2 of the rank's order the weights may leave when k2 - k1 >
     lookahead + 1: the prefetch is issued `lookahead` actions ahead of k2, as an activation prefetch is, and
-    at least one action runs without them. Across the step boundary they always may: released after the last
-    use, and, when the first use is more than `lookahead` actions in, absent at the step's start (the host
-    holds the current copy: a host optimizer wrote it there, or the copy after the update refreshed it)."""
+    at least one action runs without them. The step boundary is the same rule read cyclically: from the last
+    use to the next step's first use at position k0. The weights leave there only when an in-step prefetch
+    can bring them back, i.e. when k0 > lookahead (`starts_away`): then they leave after the last use and
+    are absent at the step's start; otherwise they stay in HBM across the boundary (no window), since
+    nothing would fetch them before their first use. What the optimizer step does with a chunk that starts
+    away is `sim.memory.with_weight_offload`'s rule (the one place that prices the boundary)."""
     st = step_structure(schedule)
     windows: list[WeightWindow] = []
     for r in range(schedule.num_ranks):
@@ -466,13 +470,33 @@ def weight_windows(schedule: Schedule, lookahead: int, chunks: np.ndarray | None
         for c, ks in sorted(uses.items()):
             if chunks is not None and not chunks[c]:
                 continue
-            if ks[0] > lookahead:
+            away_at_boundary = ks[0] > lookahead
+            if away_at_boundary:
                 windows.append(WeightWindow(c, -1, nodes[ks[0]], nodes[ks[0] - lookahead]))
             for k1, k2 in itertools.pairwise(ks):
                 if k2 - k1 > lookahead + 1:
                     windows.append(WeightWindow(c, nodes[k1], nodes[k2], nodes[k2 - lookahead]))
-            windows.append(WeightWindow(c, nodes[ks[-1]], -1, -1))
+            if away_at_boundary:
+                windows.append(WeightWindow(c, nodes[ks[-1]], -1, -1))
     return windows
+
+
+def starts_away(schedule: Schedule, lookahead: int) -> np.ndarray:
+    """Per chunk: whether its weights, when offloaded, are off HBM across the step boundary (weight_windows'
+    boundary window: the first use lies more than `lookahead` actions into its rank's order)."""
+    away = np.zeros(schedule.num_stages, bool)
+    for w in weight_windows(schedule, lookahead):
+        if w.release_after < 0:
+            away[w.chunk] = True
+    return away
+
+
+def has_windows(schedule: Schedule, lookahead: int) -> np.ndarray:
+    """Per chunk: whether offloading its weights takes them off HBM at all (it has at least one window)."""
+    has = np.zeros(schedule.num_stages, bool)
+    for w in weight_windows(schedule, lookahead):
+        has[w.chunk] = True
+    return has
 
 
 def add_weight_prefetches(g: GraphBuilder, mem: MemoryPlan) -> None:

@@ -29,6 +29,7 @@ from sim.config import RECOMPUTE_POLICIES, MemoryConfig, Scenario
 from sim.costs import ChunkDetail, CostTable
 from sim.engine import SimResult, simulate
 from sim.errors import ScenarioError
+from sim.graph import has_windows, starts_away
 from sim.ir import BACKWARD_KINDS, Kind, Schedule
 from sim.memory_plan import MemoryPlan, keep_everything, or_zeros
 
@@ -159,7 +160,7 @@ def build_memory_plan(sc: Scenario, costs: CostTable, schedule: Schedule) -> Mem
             policy=policy,
         ),
     )
-    return with_weight_offload(plan, costs, weight_offload_mask(sc, n), np.full(n, mem.optimizer != "hbm"))
+    return with_weight_offload(plan, costs, weight_offload_mask(sc, n), np.full(n, mem.optimizer != "hbm"), schedule)
 
 
 def weight_offload_mask(sc: Scenario, n: int) -> np.ndarray:
@@ -170,25 +171,35 @@ def weight_offload_mask(sc: Scenario, n: int) -> np.ndarray:
     return np.full(n, value == "all")
 
 
-def with_weight_offload(plan: MemoryPlan, costs: CostTable, chunks: np.ndarray, host_optimizer: np.ndarray
-                        ) -> MemoryPlan:
+def with_weight_offload(plan: MemoryPlan, costs: CostTable, chunks: np.ndarray, host_optimizer: np.ndarray,
+                        schedule: Schedule) -> MemoryPlan:
     """`plan` with the bf16 weights of `chunks` off HBM in their idle windows (sim.graph.weight_windows).
 
-    Leaving HBM costs no copy: the host keeps a current copy. With the chunk's optimizer on the host the
-    update writes it there, so the step's weights-back copy is dropped and the next step's first use fetches
-    them instead; with the optimizer on the GPU one copy out per step after the update refreshes it."""
+    The one rule for the step boundary and the optimizer step. Leaving HBM costs no copy: the host keeps a
+    current copy (pinned, counted in DRAM). A chunk that starts the step away (sim.graph.starts_away: its
+    first use is far enough in for an in-step prefetch) is off HBM from its last use to that prefetch:
+      - optimizer on the host: the update writes the host copy, nothing returns; the step's weights-back
+        copy is dropped for that chunk only (its in-step prefetch pays for bringing them back instead);
+      - optimizer on the GPU: the weights return for the update (h2d, `step_weight_bytes` in HBM during the
+        optimizer step), the host copy is refreshed after it (d2h) and they leave again.
+    Any other offloading chunk stays in HBM across the boundary: with the optimizer on the host its
+    weights-back copy stays; with it on the GPU the host copy is refreshed after the update (d2h), since its
+    in-step windows fetch from it. A chunk without any window is not offloaded. So no chunk's weights come
+    back at the boundary without a copy charged, and offloading never shortens a step for free."""
+    chunks = chunks & has_windows(schedule, plan.prefetch_lookahead)
     if not chunks.any():
         return plan
     weights = _detail(costs).state_bytes.get("weights", np.zeros(costs.num_chunks))
     w = np.where(chunks, weights, 0.0)
-    host = np.where(host_optimizer, w, 0.0)
+    away = np.where(starts_away(schedule, plan.prefetch_lookahead), w, 0.0)
     dram = plan.static_host_bytes.get("dram", np.zeros(costs.num_chunks))
     return dataclasses.replace(
         plan,
         weight_offload_bytes=w,
         static_host_bytes={**plan.static_host_bytes, "dram": dram + w},  # the pinned host copy
-        step_h2d_bytes=np.maximum(or_zeros_like(plan.step_h2d_bytes, w) - host, 0.0),
-        step_d2h_bytes=or_zeros_like(plan.step_d2h_bytes, w) + (w - host),
+        step_h2d_bytes=np.maximum(or_zeros_like(plan.step_h2d_bytes, w) + np.where(host_optimizer, -away, away), 0.0),
+        step_d2h_bytes=or_zeros_like(plan.step_d2h_bytes, w) + np.where(host_optimizer, 0.0, w),
+        step_weight_bytes=np.where(host_optimizer, 0.0, away),
         policy=tuple(f"{p}, weights offloaded" if chunks[c] else p for c, p in enumerate(plan.policy)),
     )
 

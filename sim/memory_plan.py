@@ -31,6 +31,9 @@ class MemoryPlan:
     step_transient_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per chunk, during the step
     # per chunk: bf16 working weights that leave HBM in the chunk's idle windows (sim.graph.weight_windows); 0 keeps
     weight_offload_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # per chunk: offloaded weights that are off HBM at the step's end and return for a GPU optimizer's update
+    # (sim.memory.with_weight_offload); the engine holds them in HBM during the optimizer step
+    step_weight_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def offloads(self) -> bool:

@@ -28,8 +28,10 @@ f_c forward seconds; A_c the chunk's activation bytes; m microbatches.
                   p_b >= e_F(b) + x_c,  p_b >= s_(b - lookahead) + x_c,  p_b >= p_(b-1) + x_c,  s_b >= p_b
                 weight prefetches in the same h2d chain (sim.graph.weight_windows), ω_c = W_c / bw_link:
                   q_w >= s_issuer(w) + o_c ω_c,  q_w >= (previous h2d copy) + o_c ω_c,  s_use(w) >= q_w
-                T >= s_last(c) + D_last(c) + y_r C_c ± o_c ω_c   (the optimizer step's copies, chunk c on rank r;
-                     + a GPU optimizer's host-copy refresh, - a host optimizer's weights-back copy)
+                T >= s_last(c) + D_last(c) + y_r C_c + δ_c o_c ω_c   (the optimizer step's copies, chunk c on
+                     rank r; sim.memory.with_weight_offload's rule with α_c = 1 if c starts the step away
+                     (sim.graph.starts_away): δ_c = 1 + α_c with a GPU optimizer (refresh the host copy,
+                     bring α-chunks back for the update), δ_c = -α_c with a host optimizer (no weights-back)
                 host: Σ_c N^max_c a_c d_c + y_r H_r <= DRAM,  Σ_c N^max_c a_c n_c <= NVMe
 
 With no plan fitting, the same constraints with `capacity` replaced by a variable P and minimise P give the
@@ -48,7 +50,7 @@ import numpy as np
 from sim.config import FreezeConfig, Scenario
 from sim.costs import CostTable, per_rank_sum
 from sim.engine import SimResult, simulate
-from sim.graph import prefetch_issuer, step_structure, weight_windows
+from sim.graph import has_windows, prefetch_issuer, starts_away, step_structure, weight_windows
 from sim.ir import BACKWARD_KINDS, Kind, Schedule
 from sim.memory import (
     HOST_ADAM_BYTES_PER_PARAM,
@@ -330,6 +332,8 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     mode = sc.memory.offload_weights
     fixed = weight_offload_mask(sc, n_c).astype(float)
     w_lo, w_hi = (np.zeros(n_c), np.ones(n_c)) if mode == "auto" else (fixed, fixed)
+    windowed = has_windows(schedule, lookahead)  # a chunk without a window offloads nothing (with_weight_offload)
+    w_lo, w_hi = w_lo * windowed, w_hi * windowed
     lp = LinearProgram("memory MILP", MILP_OPTIONS)
     col = _Columns(
         lp.add_variables(n_c, 0, ch.layers), lp.add_variables(n_c, 0, ch.layers), lp.add_variables(n_c, 0, ch.layers),
@@ -343,7 +347,8 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     _layer_choice_rows(rows, col, ch)
     _precedence_rows(rows, col, ch, dag)
     _copy_rows(rows, lp, col, ch, dag, lookahead, w_hi.any())
-    _step_copy_rows(rows, col, ch, dag, _step_copy_s(costs, base), sc.memory.optimizer != "hbm")
+    _step_copy_rows(rows, col, ch, dag, _step_copy_s(costs, base), sc.memory.optimizer != "hbm",
+                    starts_away(schedule, lookahead))
     pos = _positions(schedule, lookahead, bool(w_hi.any()))
     _hbm_rows(rows, col, ch, pos, base, costs, schedule, _host_state_bytes(sc, costs))
     _host_rows(rows, col, ch, pos, costs, schedule, _host_state_bytes(sc, costs))
@@ -447,17 +452,20 @@ def _copy_rows(rows: _Rows, lp: LinearProgram, col: _Columns, ch: _Chunks, dag: 
 
 
 def _step_copy_rows(rows: _Rows, col: _Columns, ch: _Chunks, dag: FreezeDag, step_s: np.ndarray,
-                    host_optimizer: bool) -> None:
+                    host_optimizer: bool, away: np.ndarray) -> None:
     """T >= end of chunk c's last B/W + y_r C_c: the optimizer step's copies when rank r's states are on host;
-    ± o_c ω_c: offloaded weights add a GPU optimizer's copy out (refreshing the host copy) or drop a host
-    optimizer's weights-back copy. (With y_r = 1 chosen here the refresh is counted though it is not made:
-    an overestimate of 2 ω_c, tens of ms, well inside the re-simulation's tolerance.)"""
-    s2r = dag.schedule.stage_to_rank
-    sign = -1.0 if host_optimizer else 1.0
+    + o_c ω_c δ_c: offloaded weights change those copies as sim.memory.with_weight_offload says, with
+    `away` (sim.graph.starts_away) the chunks off HBM across the step boundary: a host optimizer drops the
+    weights-back copy of those only (δ_c = -away_c), a GPU optimizer refreshes the host copy of every
+    offloading chunk and brings those back for the update (δ_c = 1 + away_c). (With y_r = 1 chosen here under
+    a GPU optimizer the host rule applies though the GPU one is counted: an overestimate of at most 3 ω_c,
+    tens of ms, well inside the re-simulation's tolerance.)"""
+    delta = -away.astype(float) if host_optimizer else 1.0 + away
     for c, i in step_structure(dag.schedule).last_backward.items():
         cols, vals = _end_terms(col, ch, dag, i)
-        rows.add(dag.w_max[i], np.inf, [col.makespan, col.start[i], col.states_on_host[s2r[c]], col.weights[c], *cols],
-                 [1, -1, -step_s[c], -sign * ch.weight_copy[c], *[-x for x in vals]])
+        rows.add(dag.w_max[i], np.inf, [col.makespan, col.start[i], col.states_on_host[dag.schedule.stage_to_rank[c]],
+                                        col.weights[c], *cols],
+                 [1, -1, -step_s[c], -delta[c] * ch.weight_copy[c], *[-x for x in vals]])
 
 
 def _hbm_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, base: MemoryPlan, costs: CostTable,
@@ -565,7 +573,7 @@ def plan_from_choice(sc: Scenario, costs: CostTable, schedule: Schedule, base: M
         step_transient_bytes=base.step_transient_bytes,  # the engine holds them under every plan
     )
     host_optimizer = chunk_states | (sc.memory.optimizer != "hbm")
-    return with_weight_offload(plan, costs, choice.weight_mask, host_optimizer)
+    return with_weight_offload(plan, costs, choice.weight_mask, host_optimizer, schedule)
 
 
 class _Rows:

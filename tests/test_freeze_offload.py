@@ -48,7 +48,12 @@ def test_copy_nodes_reproduce_the_engine(name, case):
         {"pipeline.schedule": name, "pipeline.virtual_stages": SCHEDULES[name], **MEMORY_CASES[case]}
     )
     dag = build_freeze_dag(schedule, costs, sc.freeze, memory.recompute_s, memory, copy_order(result))
-    assert dag.copy_nodes > 0
+    if case == "weights" and SCHEDULES[name] == 1:
+        # one chunk per rank, used back to back from the step's first action: no window, nothing leaves
+        # (sim.graph.weight_windows), so there is no copy to reproduce
+        assert not memory.uses_copy_engines and dag.copy_nodes == 0
+    else:
+        assert dag.copy_nodes > 0
     asap = dag.earliest_starts(dag.w_max)
     assert asap is not None
     start = asap[0]

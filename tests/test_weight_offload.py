@@ -8,10 +8,10 @@ import pytest
 
 from scenarios import scenario_path
 from sim.config import load_scenario
-from sim.costs import build_cost_table
+from sim.costs import build_cost_table, per_rank_sum
 from sim.engine import simulate
 from sim.errors import ScenarioError
-from sim.graph import weight_windows
+from sim.graph import starts_away, weight_windows
 from sim.ir import Kind
 from sim.memory import build_memory_plan
 from sim.step import resolve_schedule
@@ -22,8 +22,8 @@ ONE_MB = {"pipeline.schedule": "v-half", "pipeline.virtual_stages": 2, "pipeline
           "model.layers": 32, "memory.prefetch_lookahead": 1}
 
 
-def _run(overrides):
-    sc = load_scenario(SEVENTY, overrides)
+def _run(overrides, path=SEVENTY):
+    sc = load_scenario(path, overrides)
     costs = build_cost_table(sc)
     schedule = resolve_schedule(sc)
     plan = build_memory_plan(sc, costs, schedule)
@@ -36,8 +36,55 @@ def test_windows_follow_the_lookahead():
     rank0 = [(w.chunk, w.release_after, w.next_use, w.issuer) for w in windows if w.chunk in (0, 15)]
     # chunk 0: out after F0 (node 0), back for I0 (node 4), fetched as W15 (node 3) starts; both out after their
     # last use; chunk 15 is used back to back, so only its step-boundary window exists
-    assert rank0 == [(0, 0, 4, 3), (0, 5, -1, -1), (15, 3, -1, -1)]
+    # chunk 0: out after F0 (node 0), back for I0 (node 4), fetched as W15 (node 3) starts. Neither chunk
+    # leaves across the step boundary: chunk 0 is first used at position 0 and chunk 15 at position 1, within
+    # the lookahead, so no in-step prefetch could bring them back (they stay in HBM)
+    assert rank0 == [(0, 0, 4, 3)]
+    assert not starts_away(schedule, 1).any()
     assert not [w for w in weight_windows(schedule, 3) if w.chunk == 0 and w.next_use >= 0]  # gap 4 <= 3 + 1
+    # lookahead 0: chunk 15 (first use at position 1) starts away, fetched as its first use starts, and leaves
+    # after its last use (W15, node 3): the boundary window read cyclically
+    windows = weight_windows(schedule, 0)
+    rank0 = [(w.chunk, w.release_after, w.next_use, w.issuer) for w in windows if w.chunk in (0, 15)]
+    assert rank0 == [(0, 0, 4, 4), (15, -1, 1, 1), (15, 3, -1, -1)]
+
+
+def test_1f1b_offloads_nothing_and_costs_nothing():
+    """1F1B holds one chunk per rank, used back to back within the lookahead from the step's first action:
+    no window, so offloading its weights changes nothing, with the optimizer on the GPU or on the host (the
+    reviewed bug: every chunk released after its last use with nothing to bring it back, and a host
+    optimizer's weights-back copy dropped, shortened the step for free)."""
+    base = {"pipeline.schedule": "1f1b", "pipeline.virtual_stages": 1, "pipeline.microbatches": 8, "model.layers": 32}
+    host = {"memory.optimizer": "dram", "memory.master_weights": "dram"}
+    # the shipped 70B at 32 layers with either optimizer, and the shipped 8B (1F1B) with the host optimizer,
+    # where the review measured makespan 3.7995 s -> 3.7286 s and the step's weights-back copies gone
+    for path, states in ((SEVENTY, {**base}), (SEVENTY, {**base, **host}), (scenario_path("llama3-8b-pp4-h100"), host)):
+        schedule, kept_plan, kept = _run(states, path)
+        _, plan, away = _run({**states, "memory.offload_weights": "all"}, path)
+        assert schedule.name == "1f1b" and weight_windows(schedule, plan.prefetch_lookahead) == []
+        assert not plan.offloads_weights
+        np.testing.assert_array_equal(plan.step_h2d_bytes, kept_plan.step_h2d_bytes)
+        assert not states.get("memory.optimizer") or plan.step_h2d_bytes.all()  # the weights-back copies stay
+        assert away.makespan_s == kept.makespan_s and away.step_time_s == kept.step_time_s
+        np.testing.assert_array_equal(away.peak_hbm_bytes, kept.peak_hbm_bytes)
+
+
+@pytest.mark.parametrize("name", ["zbv", "v-half", "chronos", "interleaved-1f1b"])
+@pytest.mark.parametrize("optimizer", ["hbm", "dram"])
+def test_offloading_weights_never_shortens_a_step_it_does_not_lower(name, optimizer):
+    """Weights that leave HBM come back on a copy the step pays for: a step whose peak offloading does not
+    lower is never shorter (the pipeline's makespan and the whole step's time), over schedules, microbatch
+    counts, lookaheads and optimizer placements."""
+    for m, lookahead in ((1, 1), (4, 1), (8, 2), (8, 1)):
+        o = {"pipeline.schedule": name, "pipeline.virtual_stages": 2, "pipeline.microbatches": m,
+             "model.layers": 32, "memory.prefetch_lookahead": lookahead,
+             "memory.optimizer": optimizer, "memory.master_weights": optimizer}
+        *_, kept = _run(o)
+        *_, away = _run({**o, "memory.offload_weights": "all"})
+        if away.peak_hbm_bytes.max() < kept.peak_hbm_bytes.max():
+            continue
+        assert away.makespan_s >= kept.makespan_s - 1e-12, (m, lookahead)
+        assert away.step_time_s >= kept.step_time_s - 1e-12, (m, lookahead)
 
 
 def test_peak_falls_by_the_weights_away_at_the_peak():
@@ -65,12 +112,41 @@ def test_copy_time_appears_when_the_link_cannot_hide_it():
         assert c.end_s - c.start_s == pytest.approx(plan.weight_offload_bytes[c.stage] / plan.host_link_bps)
 
 
-def test_host_optimizer_keeps_the_weights_there():
-    states = {"memory.optimizer": "dram", "memory.master_weights": "dram"}
-    _, kept, _ = _run({**ONE_MB, **states})
-    _, away, _ = _run({**ONE_MB, **states, "memory.offload_weights": "all"})
-    # the update writes the weights on the host: the step's weights-back copy is gone (fetched at next use)
-    np.testing.assert_allclose(away.step_h2d_bytes, kept.step_h2d_bytes - away.weight_offload_bytes)
+def test_the_step_boundary_prices_every_return():
+    """sim.memory.with_weight_offload's rule, checked per chunk against sim.graph.starts_away: a host
+    optimizer drops the weights-back copy of exactly the chunks that start the step away (an in-step prefetch
+    brings those back); a GPU optimizer refreshes every offloading chunk's host copy (d2h) and brings the
+    start-away ones back for the update (h2d), which the engine holds in HBM during the optimizer step."""
+    o = {"pipeline.schedule": "zbv", "pipeline.virtual_stages": 2, "pipeline.microbatches": 8, "model.layers": 32,
+         "memory.prefetch_lookahead": 1}
+    host = {"memory.optimizer": "dram", "memory.master_weights": "dram"}
+    schedule, kept, _ = _run({**o, **host})
+    _, away, _ = _run({**o, **host, "memory.offload_weights": "all"})
+    start_away = starts_away(schedule, 1)
+    assert start_away.any() and not start_away.all()
+    w = away.weight_offload_bytes
+    np.testing.assert_allclose(away.step_h2d_bytes, kept.step_h2d_bytes - np.where(start_away, w, 0.0))
+    np.testing.assert_array_equal(away.step_d2h_bytes, kept.step_d2h_bytes)
+    assert not away.step_weight_bytes.any()
+
+    *_, gpu_kept_run = _run(o)
+    _, gpu, gpu_run = _run({**o, "memory.offload_weights": "all"})
+    np.testing.assert_allclose(gpu.step_d2h_bytes, w)
+    np.testing.assert_allclose(gpu.step_h2d_bytes, np.where(start_away, w, 0.0))
+    np.testing.assert_allclose(gpu.step_weight_bytes, np.where(start_away, w, 0.0))
+    # during the optimizer step (the record each rank makes at its last action's end) a GPU optimizer holds
+    # every chunk's weights: static HBM in full; a host optimizer leaves the start-away chunks on the host
+    per_rank = per_rank_sum(np.where(start_away, w, 0.0), np.asarray(schedule.stage_to_rank), schedule.num_ranks)
+    np.testing.assert_allclose(_optimizer_step_static(gpu_run), gpu_run.static_bytes)
+    np.testing.assert_allclose(_optimizer_step_static(gpu_kept_run), gpu_kept_run.static_bytes)
+    host_run = _run({**o, **host, "memory.offload_weights": "all"})[2]
+    np.testing.assert_allclose(_optimizer_step_static(host_run), host_run.static_bytes - per_rank)
+
+
+def _optimizer_step_static(result) -> np.ndarray:
+    """Per rank, the static HBM the engine records as its optimizer step starts (its second-to-last record)."""
+    records = [[rec for rec in result.memory if rec[0] == r] for r in range(result.schedule.num_ranks)]
+    return np.asarray([recs[-2][3] for recs in records])
 
 
 def test_auto_needs_the_planner():
@@ -100,7 +176,7 @@ def test_memory_milp_offloads_weights_when_it_pays():
 
 
 # ---- the runtime: parameters leave the device between uses, results bit for bit ----------------------------
-def _zbv_one_rank(offload_weights):
+def _zbv_one_rank(offload_weights, lookahead=1):
     import torch
 
     from runtime.executor import PipelineExecutor
@@ -116,39 +192,48 @@ def _zbv_one_rank(offload_weights):
     torch.manual_seed(0)
     chunks = {s: build_chunk(args, s, layer_ranges([2, 2]), cpu) for s in range(2)}
     p2p = P2P(sched, 0, (2, args.seq_len, args.dim), torch.float32, cpu)
-    ex = PipelineExecutor(sched, 0, chunks, p2p, cpu, offload_weights=offload_weights, weight_lookahead=1)
-    traces = [ex.run_step(batches(4, step)) for step in range(2)]  # two steps: the host copy is refreshed
+    ex = PipelineExecutor(sched, 0, chunks, p2p, cpu, offload_weights=offload_weights, weight_lookahead=lookahead)
+    traces, logs = [], []
+    for step in range(2):  # two steps: the host copy is refreshed, and the log holds one step's events
+        traces.append(ex.run_step(batches(4, step)))
+        logs.append(list(ex.weights.log) if ex.weights is not None else [])
     grads = {(s, n): p.grad.clone() for s, c in chunks.items() for n, p in c.named_parameters()}
-    return sched, ex, traces, grads
+    return sched, logs, traces, grads
 
 
-def test_runtime_weight_offload_is_bit_identical_and_follows_the_windows():
+# lookahead 1: both chunks stay across the boundary (first uses at positions 0 and 1); lookahead 0: chunk 1
+# starts each step away, fetched as its first use starts, and comes back for the optimizer step at the end
+@pytest.mark.parametrize("lookahead", [1, 0])
+def test_runtime_weight_offload_is_bit_identical_and_follows_the_windows(lookahead):
     import torch
 
-    sched, _, plain_traces, plain_grads = _zbv_one_rank(None)
-    _, ex, traces, grads = _zbv_one_rank([True, True])
+    sched, _, plain_traces, plain_grads = _zbv_one_rank(None, lookahead)
+    _, logs, traces, grads = _zbv_one_rank([True, True], lookahead)
     assert [t.losses for t in traces] == [t.losses for t in plain_traces]
     assert grads.keys() == plain_grads.keys()
     assert all(torch.equal(grads[k], plain_grads[k]) for k in grads)
-    # the executed events are the simulator's windows, step after step
-    windows = weight_windows(sched, 1)
-    expected = []
+    # the executed events are the simulator's windows, step after step: every chunk with a window has its
+    # host copy refreshed at the start, and the chunks that start away come back at the end
+    windows = weight_windows(sched, lookahead)
+    expected = [("refresh", -1, c) for c in sorted({w.chunk for w in windows})]
     for w in windows:
         expected.append(("release", w.release_after, w.chunk))  # -1: at the step's start
         if w.next_use >= 0:
             expected += [("prefetch", w.issuer, w.chunk), ("ready", w.next_use, w.chunk)]
-    restored = [("restore", -1, c) for c in sorted({w.chunk for w in windows})]
-    step_log = ex.weights.log[: len(ex.weights.log) // 2]
-    assert sorted(e for e in step_log if e[0] != "restore") == sorted(expected)
-    assert [e for e in step_log if e[0] == "restore"] == restored
-    assert step_log == ex.weights.log[len(ex.weights.log) // 2:]
+    away = np.flatnonzero(starts_away(sched, lookahead)).tolist()
+    assert away == ([] if lookahead else [1])
+    expected += [e for c in away for e in (("prefetch", -1, c), ("restore", -1, c))]
+    step_log = logs[0]
+    assert sorted(step_log) == sorted(expected)
+    assert [e for e in step_log if e[0] == "restore"] == [("restore", -1, c) for c in away]
+    assert logs[1] == step_log
     # a chunk never runs while its weights are away
-    away = set()
+    held = {c for what, at, c in step_log if what == "release" and at == -1}  # away from the step's start
     for pos, a in enumerate(sched.ranks[0]):
         for what, at, c in step_log:
             if at == pos and what == "ready":
-                away.discard(c)
-        assert a.stage not in away
+                held.discard(c)
+        assert a.stage not in held
         for what, at, c in step_log:
             if at == pos and what == "release":
-                away.add(c)
+                held.add(c)
