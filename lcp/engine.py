@@ -48,6 +48,19 @@ def kernel() -> ModuleType | None:
     return module
 
 
+def set_threads(count: int) -> int | None:
+    """Give numba `count` threads (at most the cores it was started with); returns the count it took, or
+    None without numba. The kernel itself runs on the calling thread: this bounds numba's pool, which
+    the kernel does not use today (a `prange` over query chunks would)."""
+    if kernel() is None:
+        return None
+    import numba
+
+    taken = max(1, min(count, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(taken)
+    return taken
+
+
 def bucket_bits(n: int) -> int:
     return max(2, min(BUCKET_BITS_MAX, n.bit_length() - BUCKET_ROWS_BITS))
 

@@ -154,3 +154,25 @@ def test_paper_preset_refuses_what_does_not_fit_or_runs_reduced(tmp_path, capsys
     assert main(argv) == 0
     df = pd.read_csv(tmp_path / "p" / "bench.csv")
     assert set(df["method"]) == {"index", "scan"} and set(df["k"]) == {1} and set(df["length"]) == {256}
+
+
+def test_bench_threads_reach_numba(tmp_path):
+    """--threads sizes numba's pool as well as torch's, and meta.json records what numba took."""
+    import json
+
+    from lcp.engine import kernel
+
+    out = tmp_path / "bench"
+    argv = ["lcp", "bench", "--n", "300", "--length", "8", "--batch", "16", "--methods", "index",
+            "--repeats", "1", "--threads", "1", "--out", str(out)]  # fmt: skip
+    numba = pytest.importorskip("numba") if kernel() is not None else None
+    before = numba.get_num_threads() if numba else None
+    try:
+        assert main(argv) == 0
+        meta = json.loads((out / "meta.json").read_text())
+        assert meta["numba_threads"] == (1 if numba else None)
+        if numba:
+            assert numba.get_num_threads() == 1
+    finally:
+        if numba:
+            numba.set_num_threads(before)

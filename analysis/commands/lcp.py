@@ -84,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--pairwise-max-n", type=_count, help="run pairwise above this N only to refuse (default: 3e4)")
     p.add_argument("--pairwise-budget-gib", type=_gib, help="pairwise memory budget (default: half of free)")
     p.add_argument("--device", help="cpu or cuda (default: cpu)")
-    p.add_argument("--threads", type=_count, help="torch CPU threads, >= 1 (default: torch's choice)")
+    p.add_argument("--threads", type=_count, help="torch and numba CPU threads, >= 1 "
+                   "(default: their choice; the compiled kernel runs on one thread either way)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="data seed (default: 0)")
     p.add_argument("--out", default="out/lcp-bench", help="output folder (default: out/lcp-bench)")
     from analysis.outputs import add_force_argument
@@ -145,6 +146,7 @@ def _bench(args: argparse.Namespace) -> int:
     from analysis.lcp_plots import plot_latency, plot_memory
     from analysis.outputs import output_folder
     from lcp.bench import PRESETS, BenchConfig, run_bench
+    from lcp.engine import set_threads
     from lcp.errors import LCPError
 
     defaults = {f.name: f.default for f in dataclasses.fields(BenchConfig) if f.name != "notes"}
@@ -161,8 +163,10 @@ def _bench(args: argparse.Namespace) -> int:
     if chosen["length"] > MAX_LENGTH:
         raise LCPError(f"--length {chosen['length']} is more than {MAX_LENGTH} tokens")
     cfg = BenchConfig(**chosen)
+    numba_threads = None
     if args.threads:
         torch.set_num_threads(args.threads)
+        numba_threads = set_threads(args.threads)  # the kernel itself is one thread whatever this says
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
     with Progress(*columns, TimeElapsedColumn()) as bar:
         task = bar.add_task("lcp bench", total=len(cfg.ns) * len(cfg.methods))
@@ -177,6 +181,7 @@ def _bench(args: argparse.Namespace) -> int:
             "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "numba_threads": numba_threads,
             "pairwise_budget_bytes": budget_bytes,
             "bandwidth": dataclasses.asdict(df.attrs["bandwidth"]),
             "notes": cfg.notes,
