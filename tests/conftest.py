@@ -55,7 +55,7 @@ def unit_costs():
 
 @pytest.fixture
 def one_torch_thread():
-    """Tiny tensor ops dominate the LCP tests; one thread avoids OpenMP stalls when the other core is busy."""
+    """One torch thread: tiny tensor ops dominate these tests, and OpenMP stalls when the other core is busy."""
     import torch
 
     before = torch.get_num_threads()

@@ -131,14 +131,6 @@ def test_recomputation_gives_no_recomputations_losses_and_gradients_exactly(name
             assert max(per_mb) < max(base_activation[0][stage])
 
 
-@pytest.fixture
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 def _zbv_one_rank(policy: str, offload_weights: list[bool] | None):
     """Two steps of ZBV on one rank (both chunks of the V), split backward on: losses and gradients."""
     from runtime.executor import PipelineExecutor
@@ -158,7 +150,7 @@ def _zbv_one_rank(policy: str, offload_weights: list[bool] | None):
 
 
 @pytest.mark.parametrize("policy", [p for p in POLICIES if p != "none"])
-def test_recomputation_under_weight_offload_is_bit_identical(policy, one_thread):
+def test_recomputation_under_weight_offload_is_bit_identical(policy, one_torch_thread):
     """The recomputation runs while the chunk's weights are back on the device (runtime/weight_offload.py):
     with every chunk's weights leaving between uses, still no recomputation's numbers."""
     base_losses, base_grads = _zbv_one_rank("none", None)
