@@ -11,7 +11,8 @@ import pandas as pd
 
 from analysis.plots import plt, save
 from common.io import atomic_write_json, atomic_write_text
-from runtime.gemm_bench import BYTES, GemmProfile
+from runtime.gemm_bench import GemmProfile
+from sim.activations import DTYPE_BYTES
 
 
 def gemm_frame(p: GemmProfile) -> pd.DataFrame:
@@ -21,7 +22,7 @@ def gemm_frame(p: GemmProfile) -> pd.DataFrame:
     return pd.DataFrame({
         "m": shapes[:, 0].astype(int), "n": shapes[:, 1].astype(int), "k": shapes[:, 2].astype(int),
         "dtype": p.dtype, "seconds": seconds, "tflops": 2 * shapes.prod(axis=1) / seconds / 1e12,
-        "predicted_s": p.fit.predict_s(p.shapes, BYTES[p.dtype]),
+        "predicted_s": p.fit.predict_s(p.shapes, DTYPE_BYTES[p.dtype]),
         "source": ["scenario" if o else "sweep" for o in p.own],
     })
 

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
+from sim.activations import DTYPE_BYTES
 from sim.config import Scenario, device_presets
 from sim.errors import PipeplanError
 from sim.gemm_fit import GemmFit, Shape, fit_gemm_curve
 from sim.layer_ops import gemm_shapes
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-BYTES = {"bf16": 2, "fp32": 4}
 THIN_K = (16, 64)
 SAMPLE_S = 1e-3  # each timed sample runs back-to-back calls for about this long (timer resolution, launch cost)
 MAX_CALLS = 1000
@@ -119,7 +119,7 @@ def profile_gemms(sc: Scenario, device: torch.device, dtype: str, max_dim: int, 
         peak_tflops = max(2 * m * n * k / t for (m, n, k), t in zip(shapes, seconds, strict=True)) / 1e12
         source = "the best measured GEMM (no datasheet peak for this device and dtype)"
     sm = sm_count or sms
-    e = BYTES[dtype]
+    e = DTYPE_BYTES[dtype]
     fit = fit_gemm_curve(shapes, seconds, e, peak_tflops, sm)
     holdout = _holdout(shapes, seconds, own, e, peak_tflops, sm)
     return GemmProfile(shapes, seconds, own, fit, holdout, dtype, name, preset, source)
