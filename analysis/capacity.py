@@ -140,7 +140,7 @@ def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy
     except SolverTimeoutError:  # the MILP's safety net: say so, never count it as "does not fit"
         return Evaluation(layers, False, None, unknown=True, note=f"MILP timed out at {layers} layers")
     except SolverError as e:  # the planner's verification or HiGHS' numerics failed: no plan at this depth
-        return Evaluation(layers, False, None, variant=f"no plan: {e}")
+        return Evaluation(layers, False, None, note=f"no plan: {e}")
     planned = memory.planned
     if planned is not None:  # the planner's plan fits by construction and is already simulated
         note = "" if planned.proven_optimal else f"MILP incumbent (gap {planned.mip_gap:.1%}) at {layers} layers"
@@ -176,7 +176,8 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
                    if var["pipeline.admission_cap"] == chronos_plan(p, m, var["pipeline.virtual_stages"])[0]]
         bounds = sorted(((run(var, KEEP)[1].result.tokens_per_s, var) for var in planned), key=lambda b: -b[0])
         for bound, var in bounds:
-            if _fastest(tried) is not None and _fastest(tried)[1].result.tokens_per_s >= bound:
+            best = _fastest(tried)
+            if best is not None and best[1].result.tokens_per_s >= bound:
                 break  # no memory treatment of the remaining orders can be faster
             tried.append(run(var, treatment))
     best = _fastest(tried)
