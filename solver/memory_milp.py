@@ -28,8 +28,10 @@ f_c forward seconds; A_c the chunk's activation bytes; m microbatches.
                   p_b >= e_F(b) + x_c,  p_b >= s_(b - lookahead) + x_c,  p_b >= p_(b-1) + x_c,  s_b >= p_b
                 weight prefetches in the same h2d chain (sim.graph.weight_windows), ω_c = W_c / bw_link:
                   q_w >= s_issuer(w) + o_c ω_c,  q_w >= (previous h2d copy) + o_c ω_c,  s_use(w) >= q_w
-                T >= s_last(c) + D_last(c) + y_r C_c + δ_c o_c ω_c   (the optimizer step's copies, chunk c on
-                     rank r; sim.memory.with_weight_offload's rule with α_c = 1 if c starts the step away
+                T >= s_last(c) + D_last(c) + B_c + y_r C_c + δ_c o_c ω_c   (the optimizer step's copies, chunk c
+                     on rank r: B_c those of states the scenario already keeps off HBM, C_c those of states the
+                     MILP moves there (y_r is fixed at 0 when the scenario's states are off HBM already);
+                     sim.memory.with_weight_offload's rule with α_c = 1 if c starts the step away
                      (sim.graph.starts_away): δ_c = 1 + α_c with a GPU optimizer (refresh the host copy,
                      bring α-chunks back for the update), δ_c = -α_c with a host optimizer (no weights-back)
                 host: Σ_c N^max_c a_c d_c + y_r H_r <= DRAM,  Σ_c N^max_c a_c n_c <= NVMe
@@ -338,7 +340,8 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     col = _Columns(
         lp.add_variables(n_c, 0, ch.layers), lp.add_variables(n_c, 0, ch.layers), lp.add_variables(n_c, 0, ch.layers),
         lp.add_variables(n_c, 0, 1), lp.add_variables(n_c, 0, 1),
-        lp.add_variables(n_r, 0, 1 if allow_state_offload else 0), lp.add_variables(n_c, w_lo, w_hi),
+        lp.add_variables(n_r, 0, 1 if allow_state_offload and _host_state_bytes(sc, costs).any() else 0),
+        lp.add_variables(n_c, w_lo, w_hi),
         lp.add_variables(dag.n_nodes, 0, np.inf), lp.add_variables(1, 0, np.inf)[0], lp.add_variables(1, 0, np.inf)[0],
     )
     lp.set_integer(np.concatenate([col.recompute, col.dram, col.nvme, col.recomputes, col.to_nvme,
@@ -347,7 +350,7 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     _layer_choice_rows(rows, col, ch)
     _precedence_rows(rows, col, ch, dag)
     _copy_rows(rows, lp, col, ch, dag, lookahead, w_hi.any())
-    _step_copy_rows(rows, col, ch, dag, _step_copy_s(costs, base), sc.memory.optimizer != "hbm",
+    _step_copy_rows(rows, col, ch, dag, _step_copy_s(costs, base), _base_step_s(base), sc.memory.optimizer != "hbm",
                     starts_away(schedule, lookahead))
     pos = _positions(schedule, lookahead, bool(w_hi.any()))
     _hbm_rows(rows, col, ch, pos, base, costs, schedule, _host_state_bytes(sc, costs))
@@ -452,8 +455,9 @@ def _copy_rows(rows: _Rows, lp: LinearProgram, col: _Columns, ch: _Chunks, dag: 
 
 
 def _step_copy_rows(rows: _Rows, col: _Columns, ch: _Chunks, dag: FreezeDag, step_s: np.ndarray,
-                    host_optimizer: bool, away: np.ndarray) -> None:
-    """T >= end of chunk c's last B/W + y_r C_c: the optimizer step's copies when rank r's states are on host;
+                    base_s: np.ndarray, host_optimizer: bool, away: np.ndarray) -> None:
+    """T >= end of chunk c's last B/W + B_c + y_r C_c: the optimizer step's copies the scenario already places
+    (B_c, `base_s`) and those when the MILP moves rank r's states to the host (C_c);
     + o_c ω_c δ_c: offloaded weights change those copies as sim.memory.with_weight_offload says, with
     `away` (sim.graph.starts_away) the chunks off HBM across the step boundary: a host optimizer drops the
     weights-back copy of those only (δ_c = -away_c), a GPU optimizer refreshes the host copy of every
@@ -463,8 +467,9 @@ def _step_copy_rows(rows: _Rows, col: _Columns, ch: _Chunks, dag: FreezeDag, ste
     delta = -away.astype(float) if host_optimizer else 1.0 + away
     for c, i in step_structure(dag.schedule).last_backward.items():
         cols, vals = _end_terms(col, ch, dag, i)
-        rows.add(dag.w_max[i], np.inf, [col.makespan, col.start[i], col.states_on_host[dag.schedule.stage_to_rank[c]],
-                                        col.weights[c], *cols],
+        rank = dag.schedule.stage_to_rank[c]
+        rows.add(dag.w_max[i] + base_s[c], np.inf,
+                 [col.makespan, col.start[i], col.states_on_host[rank], col.weights[c], *cols],
                  [1, -1, -step_s[c], -delta[c] * ch.weight_copy[c], *[-x for x in vals]])
 
 
@@ -522,6 +527,13 @@ def _host_state_bytes(sc: Scenario, costs: CostTable) -> np.ndarray:
     if sc.memory.optimizer != "hbm" or sc.memory.master_weights != "hbm":
         return zero  # the scenario already keeps them off HBM
     return parts.get("optimizer", zero) + parts.get("master_weights", zero)
+
+
+def _base_step_s(base: MemoryPlan) -> np.ndarray:
+    """Per chunk, the optimizer step's copies and host work every plan pays because the scenario itself keeps
+    states or gradients off HBM (sim.memory.with_states): the engine runs them as one chain after the chunk's
+    last backward (sim.graph's STEP_D2H, STEP_HOST, STEP_H2D)."""
+    return base.step_d2h_bytes / base.host_link_bps + base.step_host_s + base.step_h2d_bytes / base.host_link_bps
 
 
 def _step_copy_s(costs: CostTable, base: MemoryPlan) -> np.ndarray:

@@ -205,3 +205,26 @@ def test_memory_planner_reports_the_smallest_hbm_when_nothing_fits():
     assert smallest > 8.0
     roomier = load_scenario(SEVENTY, {"model.layers": 64, "device.hbm_gib": math.ceil(smallest * 1.05)})
     assert plan_memory(roomier, build_cost_table(roomier), resolve_schedule(roomier)).simulated.oom is False
+
+
+@pytest.mark.parametrize("states", [
+    {"memory.optimizer": "dram", "memory.master_weights": "dram"},
+    {"memory.optimizer": "nvme", "memory.master_weights": "nvme"},
+    {"memory.gradients": "dram"},
+    {"memory.optimizer": "dram", "memory.master_weights": "dram", "memory.gradients": "dram"},
+])
+def test_memory_planner_counts_the_optimizer_step_the_scenario_already_places(states):
+    """States the scenario itself keeps off HBM make every plan pay the optimizer step's copies (and a host
+    Adam): the MILP's makespan includes them, so its plan agrees with the engine (plan_memory raises if not),
+    and it never 'moves' states that are already on the host."""
+    from sim.memory import keep_everything, with_states
+    from solver.memory_milp import plan_memory
+
+    sc = load_scenario(scenario_path("llama3-8b-pp4-h100"), {**states, "pipeline.microbatches": 8})
+    costs, sched = build_cost_table(sc), resolve_schedule(sc)
+    planned = plan_memory(sc, costs, sched)
+    assert abs(planned.simulated.makespan_s - planned.predicted_makespan_s) <= 0.01 * planned.predicted_makespan_s
+    if sc.memory.optimizer != "hbm":
+        assert not planned.choice.states_on_host.any()
+        keep = simulate(sched, costs, memory=with_states(sc, costs, keep_everything(costs)))
+        assert planned.simulated.makespan_s >= keep.makespan_s * (1 - 1e-9)  # the host step is paid by both
