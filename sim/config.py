@@ -327,7 +327,7 @@ class MemoryConfig(_Section):
     optimizer: Tier = "hbm"
     """Where Adam's m and v live; off HBM, the optimizer step runs on the host after each chunk's last backward."""
     master_weights: Tier = "hbm"
-    """Where the fp32 master copy lives (it goes with the optimizer step)."""
+    """Where the fp32 master copy lives; it goes with the optimizer step, so left unset it follows `optimizer`."""
     gradients: Tier = "hbm"
     """Where the fp32 gradient accumulation buffer lives (HBM keeps a bf16 buffer, copied out at the end)."""
     hbm_margin_gib: NonNeg = 0.0
@@ -349,6 +349,13 @@ class MemoryConfig(_Section):
     per chunk."""
     plan: bool = False
     """Let the MILP memory planner choose recompute/offload per chunk (ignores recompute/offload_activations)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _master_weights_follow_the_optimizer(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "master_weights" not in data and "optimizer" in data:
+            data = {**data, "master_weights": data["optimizer"]}
+        return data
 
 
 class Scenario(_Section):

@@ -137,7 +137,12 @@ def test_master_weights_must_follow_a_host_optimizer():
     from sim.errors import ScenarioError
 
     with pytest.raises(ScenarioError, match=r"memory\.master_weights"):
-        step(SEVENTY, memory__optimizer="dram")
+        step(SEVENTY, memory__optimizer="dram", memory__master_weights="hbm")
+
+
+def test_master_weights_left_unset_follow_the_optimizer():
+    for tier in ("hbm", "dram", "nvme"):
+        assert load_scenario(SEVENTY, {"memory.optimizer": tier}).memory.master_weights == tier
 
 
 def test_memory_planner_fits_where_plain_1f1b_does_not_and_beats_full_recomputation():
