@@ -150,6 +150,7 @@ def test_init_template_simulates_as_written(tmp_path, flags):
     path = tmp_path / "mine.toml"
     assert main(["init", str(path), *flags]) == 0
     assert main(["simulate", str(path), "--out", str(tmp_path / "sim")]) == 0
+    assert _summary(tmp_path / "sim")["fits"]  # a new user's first simulation fits its GPUs
     assert main(["init", str(path)]) == 2  # never overwrites
 
 

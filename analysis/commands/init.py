@@ -42,7 +42,7 @@ tp = 1                     # tensor-parallel GPUs per pipeline rank
 dp = 1                     # pipeline replicas (data parallel)
 
 [device]
-preset = "H100-SXM-80GB"   # H100-SXM-80GB | H200-141GB | A100-80GB | A100-40GB
+preset = "H100-SXM-80GB"   # H100-SXM-80GB | H100-HBM2e-96GB-500W | H200-141GB | A100-80GB | A100-40GB
 # hbm_gib = 79.6           # override any preset figure: peak_tflops, efficiency, hbm_gib, hbm_gbps, ...
 
 [interconnect]
@@ -51,7 +51,8 @@ p2p_latency_us = 10.0
 tp_gbps = 450.0            # inside a tensor-parallel group (NVLink)
 
 [memory]
-recompute = "none"         # none | full | selective | selective-op | chronos
+recompute = "selective-op" # none | full | selective | selective-op | chronos; torchtitan's 8B default
+                           # (op-level selective checkpointing); with "none" rank 0 needs ~87 GiB of 80
 offload_activations = 0.0  # share of saved activations moved to host memory between forward and backward
 hbm_margin_gib = 0.0       # kept free for the allocator and communication buffers
 
