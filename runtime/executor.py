@@ -35,7 +35,8 @@ from runtime.weight_offload import WeightOffload
 from sim.ir import Action, Kind, Schedule
 
 LOOKAHEAD = 2  # receives posted for this many upcoming actions
-PREFETCH_BACKWARDS = 2  # offloaded activations come back for this many upcoming backwards (as sim.memory)
+PREFETCH_ACTIONS = 2  # default: a backward's offloaded activations are fetched when the rank starts the action
+# this many places before it (memory.prefetch_lookahead; sim.graph.prefetch_issuer's rule)
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> torch.autocast:
@@ -108,14 +109,15 @@ class PipelineExecutor:
                  device: torch.device, offload_share: float | Mapping[int, float] = 0.0,
                  profile_backward: bool = False,
                  autocast_dtype: torch.dtype | None = None, now: Callable[[], float] = time.perf_counter,
-                 offload_weights: Sequence[bool] | None = None, weight_lookahead: int = PREFETCH_BACKWARDS):
+                 offload_weights: Sequence[bool] | None = None, prefetch_lookahead: int = PREFETCH_ACTIONS):
         """`chunks` maps each stage this rank holds to its module; `profile_backward` runs every B as I then
         W back to back and reports both (pipeplan profile); `offload_share` of saved activations goes to host
         (one share, or one per stage);
         `autocast_dtype` runs the forwards in bf16/fp16 autocast, on the CPU and CUDA alike (the backward
         replays the forward's casts) — the fp32 weights are the master copy, gradients accumulate in fp32,
         and the activations that cross stages are fp32 (residual adds promote). `offload_weights` (per chunk)
-        moves the chunks' parameters to host memory in their idle windows (runtime/weight_offload.py)."""
+        moves the chunks' parameters to host memory in their idle windows (runtime/weight_offload.py);
+        `prefetch_lookahead` is how many actions ahead offloaded activations and weights come back."""
         self.schedule, self.rank, self.chunks, self.p2p, self.device = schedule, rank, dict(chunks), p2p, device
         self.actions = schedule.ranks[rank]
         self.num_stages, self.m = schedule.num_stages, schedule.num_microbatches
@@ -128,7 +130,8 @@ class PipelineExecutor:
         offloads = any(x > 0 for x in self.offload_share.values())
         self.offload_stream = CopyStream(device) if offloads else None
         self.autocast_dtype = autocast_dtype
-        self.weights = WeightOffload.build(schedule, rank, self.chunks, offload_weights, weight_lookahead, device) \
+        self.lookahead = prefetch_lookahead
+        self.weights = WeightOffload.build(schedule, rank, self.chunks, offload_weights, prefetch_lookahead, device) \
             if offload_weights is not None else None
 
     # ---- one step ------------------------------------------------------------------------------
@@ -188,9 +191,10 @@ class PipelineExecutor:
         return trace
 
     def _prefetch_activations(self, i: int) -> None:
-        """Bring back the offloaded activations of the next PREFETCH_BACKWARDS backwards (from action i on),
-        on the copy stream, so they are on the device before those backwards unpack them."""
-        upcoming = [a for a in self.actions[i:] if a.kind in (Kind.B, Kind.I)][:PREFETCH_BACKWARDS]
+        """Bring back the offloaded activations of the backwards at most `lookahead` actions from action i (the
+        simulator's rule, sim.graph.prefetch_issuer), on the copy stream, so they are on the device before those
+        backwards unpack them."""
+        upcoming = [a for a in self.actions[i : i + self.lookahead + 1] if a.kind in (Kind.B, Kind.I)]
         for a in upcoming:
             meter = self.meters.pop((a.stage, a.microbatch), None)
             if meter is None:

@@ -124,7 +124,7 @@ class Trainer:
                                          autocast_dtype=AUTOCAST[self.scenario.training.dtype], now=self.now,
                                          offload_weights=self.memory.weights_offloaded
                                          if self.memory.offloads_weights else None,
-                                         weight_lookahead=self.scenario.memory.prefetch_lookahead)
+                                         prefetch_lookahead=self.scenario.memory.prefetch_lookahead)
         cap = cfg.freeze_cap if cfg.freeze_cap is not None else self.scenario.freeze.cap
         phases = FreezePhases(cfg.freeze, cap, cfg.freeze_warmup, cfg.freeze_monitor, cfg.freeze_ramp,
                               cfg.freeze_redraw, self.scenario.freeze.max_ratio)

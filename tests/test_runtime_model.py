@@ -12,7 +12,7 @@ import torch
 
 from runtime.config import RunConfig
 from runtime.data import TokenData
-from runtime.executor import PREFETCH_BACKWARDS, PipelineExecutor
+from runtime.executor import PREFETCH_ACTIONS, PipelineExecutor
 from runtime.freeze import FreezePhases, Freezer, draw_frozen
 from runtime.memory import ChunkMemory, apply_policy, run_memory
 from runtime.model import ModelArgs, cross_entropy
@@ -237,14 +237,26 @@ def test_recompute_and_offload_keep_gradients_and_cut_device_bytes(policy, offlo
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=n)
     assert trace.losses == base_trace.losses
     assert trace.peak_activation_bytes < base_trace.peak_activation_bytes
-    if offload == 1.0:  # everything left; it came back only for the next PREFETCH_BACKWARDS backwards
+    if offload == 1.0:  # everything left; it came back only for the backwards within PREFETCH_ACTIONS actions
         per_microbatch = trace.activation_bytes[0]
         assert trace.offloaded_bytes == sum(per_microbatch)
-        assert max(per_microbatch) < trace.peak_activation_bytes <= PREFETCH_BACKWARDS * max(per_microbatch)
+        assert max(per_microbatch) < trace.peak_activation_bytes <= (PREFETCH_ACTIONS + 1) * max(per_microbatch)
     if offload > 0:  # every offloaded byte was prefetched ahead of its backward: none copied on demand
         assert trace.prefetched_bytes == trace.offloaded_bytes > 0
     if offload == 0.5:
         assert 0.3 < trace.offloaded_bytes / sum(map(sum, base_trace.activation_bytes.values())) < 0.7
+
+
+@pytest.mark.parametrize("lookahead", [1, 2, 3])
+def test_offloaded_activations_come_back_lookahead_actions_ahead_as_the_simulator_says(lookahead):
+    """GPipe on one rank (F0..F3 B0..B3), everything offloaded: at B0 the backwards within `lookahead` actions
+    are back (sim.graph.prefetch_issuer's rule), so lookahead + 1 microbatches' activations are on the device."""
+    m = 4
+    chunk = apply_policy(build_model(ARGS), "none")
+    trace = one_rank_executor(chunk, m, offload_share=1.0, prefetch_lookahead=lookahead).run_step(batches(m))
+    per_microbatch = max(trace.activation_bytes[0])
+    assert lookahead * per_microbatch < trace.peak_activation_bytes <= (lookahead + 1) * per_microbatch
+    assert trace.prefetched_bytes == trace.offloaded_bytes
 
 
 # ---- data, config, P2P order -----------------------------------------------------------------------------

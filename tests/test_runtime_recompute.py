@@ -144,7 +144,7 @@ def _zbv_one_rank(policy: str, offload_weights: list[bool] | None):
     chunks = {s: apply_policy(enable_split_backward(build_chunk(ARGS, s, layer_ranges([2, 2]), cpu)), policy)
               for s in range(2)}
     p2p = P2P(sched, 0, (2, ARGS.seq_len, ARGS.dim), torch.float32, cpu)
-    ex = PipelineExecutor(sched, 0, chunks, p2p, cpu, offload_weights=offload_weights, weight_lookahead=1)
+    ex = PipelineExecutor(sched, 0, chunks, p2p, cpu, offload_weights=offload_weights, prefetch_lookahead=1)
     losses = [ex.run_step(batches(4, step)).losses for step in range(2)]
     return losses, {(s, n): p.grad.clone() for s, c in chunks.items() for n, p in c.named_parameters()}
 

@@ -192,7 +192,7 @@ def _zbv_one_rank(offload_weights, lookahead=1):
     torch.manual_seed(0)
     chunks = {s: build_chunk(args, s, layer_ranges([2, 2]), cpu) for s in range(2)}
     p2p = P2P(sched, 0, (2, args.seq_len, args.dim), torch.float32, cpu)
-    ex = PipelineExecutor(sched, 0, chunks, p2p, cpu, offload_weights=offload_weights, weight_lookahead=lookahead)
+    ex = PipelineExecutor(sched, 0, chunks, p2p, cpu, offload_weights=offload_weights, prefetch_lookahead=lookahead)
     traces, logs = [], []
     for step in range(2):  # two steps: the host copy is refreshed, and the log holds one step's events
         traces.append(ex.run_step(batches(4, step)))
