@@ -72,6 +72,12 @@ def layer_memory(sc: Scenario) -> LayerMemory:
     else:  # softmax output; with dropout also its mask and output
         core = e * a * s * s * b + ((MASK_BYTES + e) * a * s * s * b if tr.dropout > 0 else 0)
     activation = replicated / sp + (sharded + core) / t
+    gathered = 0.0
+    if sc.parallel.tp_style == "dtensor" and sp > 1:
+        # torch's ColwiseParallel matmul saves the all-gathered input, not its shard (nothing is re-gathered
+        # for the weight gradient, sim/tp_comm.py): the QKV and MLP-up inputs are kept whole
+        gathered = 2 * e * s * b * h * (1 - 1 / sp)
+        activation += gathered
     if not tr.compile and m.architecture == "llama":
         # PyTorch eager keeps what each unfused op saves for its backward (torchtitan's model at 9dec370): each
         # RMSNorm its fp32 copy of x (pow and x * rsqrt save it) beside the bf16 output; RoPE's complex multiply
@@ -84,6 +90,7 @@ def layer_memory(sc: Scenario) -> LayerMemory:
         activation = per * (18 + 4 * m.ffn_hidden / h) / t if sp == t else per * (10 + (8 + 4 * m.ffn_hidden / h) / t)
     stash = e * s * b * (2 * h / sp + (h + m.ffn_hidden) / t  # inputs: QKV and fc1 (replicated), proj, fc2
                          + (h + 2 * h_kv + mlp_up) / t + 2 * h / sp)  # output grads: QKV, fc1 | proj, fc2
+    stash += gathered
     return LayerMemory(
         activation=activation,
         checkpoint=e * s * b * h / sp,

@@ -163,6 +163,12 @@ class TrainingConfig(_Section):
     """The transformer layers' linears run as Float8 GEMMs at the device's FP8 rate with dynamic tensor-wise
     scaling (torchao Float8Linear, torchtitan `float8.enable_float8_linear`): bf16 weights and activations, plus
     the memory-bound amax and cast of every operand. The LM head stays bf16. Needs a device with fp8_tflops."""
+    loss_impl: Literal["fused", "torch-fp32"] = "fused"
+    """The cross entropy's memory (sim/overheads.py). "fused": Megatron's vocab-parallel cross entropy: keeps
+    fp32 logits (4 bytes per logit) and, while the backward starts, a bf16 and an fp32 gradient (e + 4 more).
+    "torch-fp32": torchtitan's `cross_entropy(pred.float(), labels)` (train.py at 9dec370): log_softmax keeps
+    its fp32 output (4); the backward holds two more fp32 tensors (8), or three under loss_parallel, which
+    torchtitan turns on with TP (12)."""
 
 
 class ParallelConfig(_Section):
@@ -179,8 +185,35 @@ class ParallelConfig(_Section):
     overlap_grad_reduce: bool = True
     """Bucketed data-parallel gradient reduction overlapped with the backward (Megatron --overlap-grad-reduce,
     torch DDP/FSDP); false reduces after the last backward."""
-    tp_comm_overlap: bool = False
-    """Overlap tensor-parallel collectives with the GEMMs (Megatron --tp-comm-overlap, Transformer Engine)."""
+    tp_style: Literal["megatron", "dtensor"] = "megatron"
+    """How the TP linears are written, which decides what their collectives move and what the backward needs
+    again. "megatron": Megatron-LM's layers, which with sequence parallelism save the input shard and
+    all-gather it again for the weight gradient; collectives in the training dtype. "dtensor": torch's
+    ColwiseParallel / RowwiseParallel (torchtitan): the matmul saves the gathered input, so nothing is
+    re-gathered, and with `training.float8_linears` the all-gathers move float8 (torchao's
+    PrepareFloat8ModuleInput / Float8ColwiseParallel cast before gathering, Float8RowwiseParallel casts the
+    output gradient before its backward all-gather). sim/tp_comm.py."""
+    tp_comm_overlap: Literal["none", "full", "async-tp"] = "none"
+    """How the TP collectives overlap the GEMMs. "none": each adds to its pass. "full": a pass takes
+    max(GEMMs, collectives), an upper bound (Megatron --tp-comm-overlap with Transformer Engine's
+    userbuffers). "async-tp": torch's micro-pipeline TP (torchtitan's AsyncTP; needs tp_style = "dtensor" and
+    sequence parallelism): only the all-gather -> matmul and matmul -> reduce-scatter pairs the Inductor pass
+    matches are decomposed into tp chunks, each hiding all but one chunk's GEMM of its communication; the rest
+    stays exposed (sim/tp_comm.py). true and false mean "full" and "none"."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _overlap_from_bool(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("tp_comm_overlap"), bool):
+            data = {**data, "tp_comm_overlap": "full" if data["tp_comm_overlap"] else "none"}
+        return data
+
+    @model_validator(mode="after")
+    def _async_tp_needs_dtensor(self) -> ParallelConfig:
+        if self.tp_comm_overlap == "async-tp" and self.tp_style != "dtensor":
+            raise ValueError('tp_comm_overlap: "async-tp" is torch\'s micro-pipeline TP, which fuses DTensor '
+                             'TP\'s collectives; set parallel.tp_style = "dtensor" (or use "full" or "none")')
+        return self
 
 
 class DeviceConfig(_Section):

@@ -32,9 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sim.activations import DTYPE_BYTES, LSE_BYTES, MASK_BYTES, mlp_widths, sequence_divisor
-from sim.comm import Link, all_gather_s, all_reduce_s
+from sim.comm import Link
 from sim.config import Scenario
 from sim.roofline import DeviceSpec, attention_s, gemm_s, memory_bound_s
+from sim.tp_comm import collective_s, layer_collectives, pass_with_comm_s
 
 FLASH_BACKWARD = 2.5  # FlashAttention-2 (Dao 2023): backward does 5 matmuls to the forward's 2
 ELEMENTWISE_BACKWARD_FACTOR = 2.0  # backward of an element-wise op reads input + grad and writes grad
@@ -235,18 +236,11 @@ def layer_times(sc: Scenario, dev: DeviceSpec, tp: Link) -> LayerTimes:
         else (0.0, 0.0, 0.0)
     attn_f, attn_i = _attention_s(sc, dev)
     elem = memory_bound_s(_elementwise_bytes(sc), dev)
-    comm = regather = 0.0
+    colls = layer_collectives(sc, _gemms(sc))
     t = sc.parallel.tp
-    if t > 1:
-        m = sc.model
-        assert m is not None
-        nbytes = DTYPE_BYTES[tr.dtype] * tr.micro_batch_size * m.seq_len * m.hidden
-        comm = 2 * all_reduce_s(nbytes, t, tp)  # two all-reduces (or AG + RS pairs) per pass
-        if sc.parallel.sequence_parallel:  # W needs the gathered inputs of the QKV and MLP-up GEMMs again
-            regather = 2 * all_gather_s(nbytes, t, tp)
 
-    def with_comm(gemm: float, collectives: float = comm) -> float:
-        return max(gemm, collectives) if sc.parallel.tp_comm_overlap else gemm + collectives
+    def with_comm(gemm: float, pass_name: str) -> float:
+        return pass_with_comm_s(sc, gemm, colls[pass_name], tp, e, gdev)
 
     # op-level selective recomputation redoes every op whose output it does not save: the unsaved matmuls,
     # all element-wise work and casts, the TP all-gathers (the reduce-scatters are saved; without sequence
@@ -254,12 +248,14 @@ def layer_times(sc: Scenario, dev: DeviceSpec, tp: Link) -> LayerTimes:
     # GEMMs are torch._scaled_mm, not the aten.mm the policy saves, so with Float8 every projection is redone.
     unsaved = sum(gemm_s(mm, n, k, e, gdev) for mm, n, k, saved in projections(sc)
                   if not saved or tr.float8_linears)
-    redo_comm = comm / 2 if sc.parallel.sequence_parallel else comm
+    # the recomputed TP all-gathers (without SP, the all-reduces), exposed as in "none": an upper bound
+    redo_comm = sum(collective_s(c, t, tp) for c in colls["F"]
+                    if c.kind != "reduce-scatter")
     op_recompute = unsaved + elem + cast_f + redo_comm + (attn_f if tr.attention == "eager" else 0.0)
     return LayerTimes(
-        forward_s=with_comm(f_gemm) + cast_f + attn_f + elem,
-        backward_input_s=with_comm(i_gemm) + cast_i + attn_i + ELEMENTWISE_BACKWARD_FACTOR * elem,
-        backward_weight_s=with_comm(w_gemm, regather) + cast_w,
+        forward_s=with_comm(f_gemm, "F") + cast_f + attn_f + elem,
+        backward_input_s=with_comm(i_gemm, "I") + cast_i + attn_i + ELEMENTWISE_BACKWARD_FACTOR * elem,
+        backward_weight_s=with_comm(w_gemm, "W") + cast_w,
         attention_forward_s=attn_f,
         op_recompute_s=op_recompute,
     )

@@ -51,9 +51,26 @@ def runtime_bytes(sc: Scenario, dev: dict[str, float], layer_params: float) -> f
     return total
 
 
+TORCH_CE_BACKWARD_BYTES = 4 + 4  # nll_loss_backward's dense fp32 gradient, then _log_softmax_backward_data's
+LOSS_PARALLEL_BACKWARD_BYTES = 4 + 4 + 4  # zeros_like(x), then (grad_input + exp(x)) and its product with dY
+
+
 def loss_transient_bytes(sc: Scenario) -> float:
-    """Extra HBM while the last chunk's backward starts: bf16 + fp32 copies of the logits' gradient."""
+    """Extra HBM while the last chunk's backward starts, beside the 4 bytes per logit the loss keeps.
+
+    "fused" (Megatron's vocab-parallel cross entropy): bf16 + fp32 copies of the logits' gradient, e + 4.
+    "torch-fp32" (torchtitan's `cross_entropy(pred.float(), labels)`: log_softmax, which keeps its fp32 output,
+    then nll_loss). Without TP, nll_loss_backward writes a dense fp32 gradient (zeros, -1 scattered at the
+    labels) and _log_softmax_backward_data the fp32 input gradient while it is live: 8 bytes. With TP,
+    torchtitan runs it under loss_parallel, whose backward (torch/distributed/tensor/parallel/loss.py,
+    `_nll_loss_and_log_softmax_backward`, 2024) computes `(grad_input + torch.exp(x)) * grad_output` with
+    grad_input = zeros_like(x) still referenced: at the product, grad_input, the sum and the product are
+    live beside the saved x (the exp is freed after the sum): 12 bytes."""
     m = sc.model
     assert m is not None
     tokens = sc.training.micro_batch_size * m.seq_len
-    return (DTYPE_BYTES[sc.training.dtype] + 4) * tokens * m.vocab / sc.parallel.tp
+    if sc.training.loss_impl == "torch-fp32":
+        per_logit = LOSS_PARALLEL_BACKWARD_BYTES if sc.parallel.tp > 1 else TORCH_CE_BACKWARD_BYTES
+    else:
+        per_logit = DTYPE_BYTES[sc.training.dtype] + 4
+    return per_logit * tokens * m.vocab / sc.parallel.tp

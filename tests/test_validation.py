@@ -22,10 +22,6 @@ from analysis.validation import (
 )
 
 A100_PEAK_FLOPS = 312e12  # "The peak device throughput of an A100 GPU with 16-bit precision is 312 teraFLOP/s"
-TORCHTITAN_GAP = ("torchtitan's H100 rows: memory mean 4.9% over all sources but max 22.1% (405B 1F1B -22%: its "
-                  "pipeline + FSDP memory is under-counted), throughput max 22.6% (70B 2D + AsyncTP +23%: full "
-                  "overlap of the TP collectives over-credits AsyncTP); docs/validation.md")
-
 
 @pytest.fixture(scope="module")
 def figures():
@@ -202,11 +198,7 @@ def test_every_scored_row_is_predicted(predictions):
     assert not missing, missing
 
 
-@pytest.mark.parametrize("metric", [
-    pytest.param("memory", marks=pytest.mark.xfail(strict=False, reason=TORCHTITAN_GAP)),
-    "time",
-    pytest.param("throughput", marks=pytest.mark.xfail(strict=False, reason=TORCHTITAN_GAP)),
-])
+@pytest.mark.parametrize("metric", ["memory", "time", "throughput"])
 def test_absolute_errors_meet_the_targets(predictions, metric):
     s = _overall(predictions, metric)
     mean_bound, max_bound = TARGETS[metric]

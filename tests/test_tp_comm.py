@@ -1,0 +1,134 @@
+"""TP collectives per pass and their overlap modes (sim/tp_comm.py), DTensor TP's saved inputs, torch's loss.
+
+Hand-computable numbers: a device with a flat GEMM efficiency of 1 and near-infinite HBM bandwidth, so a GEMM
+takes 2MNK / peak; a link with no latency, so a collective takes (t - 1)/t · bytes / bandwidth."""
+
+from __future__ import annotations
+
+import pytest
+
+from scenarios import SCENARIO_DIR
+from sim.comm import Link
+from sim.config import load_scenario
+from sim.errors import ScenarioError
+from sim.layer_ops import _gemms, layer_times
+from sim.overheads import loss_transient_bytes
+from sim.roofline import DeviceSpec
+from sim.tp_comm import Collective, layer_collectives, pass_with_comm_s
+
+TT70B = SCENARIO_DIR / "validation" / "torchtitan-llama3.1-70b-fsdp32-tp8.toml"
+PEAK = 1e15
+DEV = DeviceSpec(peak_flops=PEAK, hbm_bps=1e18, sm_count=1, gemm_efficiency=1.0, attention_efficiency=1.0,
+                 flat_efficiency=1.0)
+LINK = Link(bytes_per_s=1e11, latency_s=0.0)
+T = 8
+GEMM = (8192.0, 8192.0, 8192.0)
+G = 2 * 8192**3 / PEAK  # 1.0995 ms, on the whole and in 8 row chunks alike
+
+
+def _sc(**overrides):
+    return load_scenario(TT70B, {"parallel.tp_style": "dtensor", **overrides})
+
+
+def _megatron(**overrides):
+    return load_scenario(TT70B, {"parallel.tp_style": "megatron", "training.loss_impl": "fused", **overrides})
+
+
+def _bytes_for(comm_s: float) -> float:
+    return comm_s * LINK.bytes_per_s * T / (T - 1)
+
+
+@pytest.mark.parametrize("comm_s, none, full, async_tp", [
+    # copies shorter than the 7 chunks they hide behind: async-tp hides them all
+    (0.5e-3, G + 0.5e-3, G, G),
+    # copies longer than the GEMM: full overlap leaves C - G; async-tp also pays the one chunk it cannot hide
+    (2e-3, G + 2e-3, 2e-3, 2e-3 + G / T),
+])
+def test_a_fused_all_gather_hides_all_but_one_chunk(comm_s, none, full, async_tp):
+    ag = [Collective("all-gather", _bytes_for(comm_s), (GEMM,), True)]
+    for mode, expected in (("none", none), ("full", full), ("async-tp", async_tp)):
+        sc = _sc(**{"parallel.tp_comm_overlap": mode})
+        assert pass_with_comm_s(sc, G, ag, LINK, 2, DEV) == pytest.approx(expected, rel=1e-9), mode
+
+
+def test_a_fused_reduce_scatter_also_pays_the_sum_of_the_partials():
+    """fused_matmul_reduce_scatter sums the t stacked partials in one kernel: reads e·M·N, writes e·M·N/t."""
+    dev = DeviceSpec(peak_flops=PEAK, hbm_bps=1e12, sm_count=1, gemm_efficiency=1.0, attention_efficiency=1.0,
+                     flat_efficiency=1.0)
+    tall = (32768.0, 8192.0, 8192.0)  # M / 8 = 4096 rows: each chunk stays compute-bound at 1 TB/s
+    g = 2 * 32768 * 8192 * 8192 / PEAK
+    rs = [Collective("reduce-scatter", _bytes_for(2 * g), (tall,), True)]
+    reduction = 2 * 32768 * 8192 * (1 + 1 / T) / 1e12
+    sc = _sc(**{"parallel.tp_comm_overlap": "async-tp"})
+    assert pass_with_comm_s(sc, g, rs, LINK, 2, dev) == pytest.approx(2 * g + g / T + reduction, rel=1e-9)
+
+
+def test_unfused_collectives_stay_exposed_under_async_tp():
+    c = [Collective("reduce-scatter", _bytes_for(0.5e-3), (GEMM,), False)]
+    sc = _sc(**{"parallel.tp_comm_overlap": "async-tp"})
+    assert pass_with_comm_s(sc, G, c, LINK, 2, DEV) == pytest.approx(G + 0.5e-3, rel=1e-9)
+
+
+def test_which_collectives_torchs_pass_fuses():
+    """Forward: all four; backward: the two all-gathers of dY, and the reduce-scatters of dX only where one
+    GEMM produces them (GPT's fused QKV and fc1, not LLaMA's wq/wk/wv and w1/w3, whose gradients are summed)."""
+    llama = layer_collectives(_sc(), _gemms(_sc()))
+    assert [(c.kind, c.fusable) for c in llama["F"]] == [
+        ("all-gather", True), ("reduce-scatter", True), ("all-gather", True), ("reduce-scatter", True)]
+    assert [(c.kind, c.fusable) for c in llama["I"]] == [
+        ("all-gather", True), ("all-gather", True), ("reduce-scatter", False), ("reduce-scatter", False)]
+    assert llama["W"] == []  # DTensor saves the gathered input: nothing to gather again
+    gpt = _sc(**{"model.architecture": "gpt"})
+    assert all(c.fusable for c in layer_collectives(gpt, _gemms(gpt))["I"])
+    megatron = _megatron()
+    assert [c.kind for c in layer_collectives(megatron, _gemms(megatron))["W"]] == ["all-gather"] * 2
+    no_sp = _sc(**{"parallel.sequence_parallel": False})
+    assert {(c.kind, c.fusable) for p in ("F", "I") for c in layer_collectives(no_sp, _gemms(no_sp))[p]} == {
+        ("all-reduce", False)}
+
+
+def test_float8_dtensor_gathers_move_one_byte_per_element():
+    """torchao's PrepareFloat8ModuleInput / Float8ColwiseParallel cast before the all-gather, and
+    Float8RowwiseParallel casts dY before its backward all-gather; the reduce-scatters stay bf16."""
+    sc = _sc()  # the 70B file: Float8 linears, bf16, micro batch 16 x 8192 tokens, h = 8192
+    elements = 16 * 8192 * 8192
+    colls = layer_collectives(sc, _gemms(sc))
+    assert {(c.kind, c.nbytes) for p in ("F", "I") for c in colls[p]} == {
+        ("all-gather", elements), ("reduce-scatter", 2 * elements)}
+    megatron = _megatron()
+    assert {c.nbytes for c in layer_collectives(megatron, _gemms(megatron))["F"]} == {2 * elements}
+
+
+def test_async_tp_lies_between_no_overlap_and_full_overlap():
+    from sim.comm import build_links, tp_link
+    from sim.cost_model import device_spec
+
+    times = {}
+    for mode in ("none", "async-tp", "full"):
+        sc = _sc(**{"parallel.tp_comm_overlap": mode})
+        lt = layer_times(sc, device_spec(sc), tp_link(sc, build_links(sc, sc.device.resolved())))
+        times[mode] = lt.forward_s + lt.backward_input_s
+    assert times["none"] > times["async-tp"] > times["full"]
+
+
+def test_overlap_keeps_accepting_booleans_and_async_tp_needs_dtensor():
+    assert _megatron(**{"parallel.tp_comm_overlap": True}).parallel.tp_comm_overlap == "full"
+    assert _megatron(**{"parallel.tp_comm_overlap": False}).parallel.tp_comm_overlap == "none"
+    with pytest.raises(ScenarioError, match="tp_style"):
+        _megatron(**{"parallel.tp_comm_overlap": "async-tp"})
+
+
+def test_torch_cross_entropy_holds_12_bytes_per_logit_and_16_under_loss_parallel():
+    """Beside the 4 bytes kept: fused e + 4; torch's 8 (nll and log_softmax gradients); loss_parallel's 12."""
+    logits_per_rank = 16 * 8192 * 128256 / 8
+    assert loss_transient_bytes(_megatron()) == pytest.approx(6 * logits_per_rank)
+    assert loss_transient_bytes(_sc(**{"training.loss_impl": "torch-fp32"})) == pytest.approx(12 * logits_per_rank)
+    one = _sc(**{"training.loss_impl": "torch-fp32", "parallel.tp": 1, "parallel.sequence_parallel": False})
+    assert loss_transient_bytes(one) == pytest.approx(8 * 16 * 8192 * 128256)
+
+
+def test_dtensor_keeps_the_gathered_qkv_and_mlp_inputs():
+    from sim.activations import layer_memory
+
+    extra = layer_memory(_sc()).activation - layer_memory(_megatron()).activation
+    assert extra == pytest.approx(2 * 2 * 16 * 8192 * 8192 * (1 - 1 / 8))
