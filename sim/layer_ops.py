@@ -23,8 +23,9 @@ column-parallel GEMMs' inputs (QKV, MLP up), so the backward all-gathers them ag
 megatron/core/tensor_parallel/layers.py, LinearWithGradAccumulationAndAsyncCommunication: forward runs
 save_for_backward(input, weight) on the shard, backward all-gathers it before the weight-gradient GEMM): two
 more all-gathers of e·bsh, half an all-reduce each, on the W pass. Megatron issues them asynchronously, as
-it does the backward all-reduce without sequence parallelism; both are counted the same way: added to their
-pass, or with tp_comm_overlap hidden behind the GEMMs, a pass taking max(GEMMs, comms).
+it does the backward all-reduce without sequence parallelism. Which collectives each pass runs, what they move
+under torch's DTensor TP, and how much of them `parallel.tp_comm_overlap` hides (none, full, or torch's
+micro-pipeline TP) is sim/tp_comm.py's job.
 """
 
 from __future__ import annotations
