@@ -62,7 +62,9 @@ def activation_arrays(
              + op_layers * or_zeros(d.op_recompute_s, n))
     transient = np.where((full_layers > 0) | (op_layers > 0), d.layer_activation_bytes,
                          np.where(selective_layers > 0, d.attention_activation_bytes, 0.0))
-    transient = transient + or_zeros(d.backward_transient_bytes, costs.num_chunks)  # the loss's working set
+    # the loss's working set (last chunk) is freed before the first layer's recomputation starts: autograd runs
+    # the loss and LM-head backward, then reaches the last checkpointed layer, so the two never coexist
+    transient = np.maximum(transient, or_zeros(d.backward_transient_bytes, costs.num_chunks))
     return np.maximum(kept, 0.0), transient, extra
 
 

@@ -19,10 +19,12 @@ f_c forward seconds; A_c the chunk's activation bytes; m microbatches.
                 them resident (the current action's, the next `lookahead` backwards' (prefetched), the last two
                 forwards' (copies out may be unfinished)):
                   S_r - y_r H_r + Σ_c [N_kc (A_c - (a_c - q_c) k_c) - (N_kc - R_kc) a_c (d_c + n_c)]
-                  + a_c z_c [k is a B/I of c] - Σ_c o_c W_c [k inside a weight window of c]
-                  + Σ_c S_kc w_c + (the loss's working set at a B/I)  <=  capacity - margin
-                (S_kc: microbatches of c between their I's end and their W's end, each holding its W stash
-                w_c); after the last action, S_r - y_r H_r + the optimizer step's working memory <= the same
+                  + max(ℓ_c, a_c z_c) [k is a B/I of c] - Σ_c o_c W_c [k inside a weight window of c]
+                  + Σ_c S_kc w_c  <=  capacity - margin
+                (ℓ_c: the loss's working set, last chunk only; freed before the first recomputation starts, so
+                the max, written ℓ_c + max(a_c - ℓ_c, 0) z_c);
+                S_kc: microbatches of c between their I's end and their W's end, each holding its W stash
+                w_c; after the last action, S_r - y_r H_r + the optimizer step's working memory <= the same
                 copies, FIFO per rank and direction, x_c = a_c (d_c / bw_link + n_c / bw_nvme) per microbatch:
                   e_j >= s_Fj + w_Fj + x_c,  e_j >= e_(j-1) + x_c,  s_F(j+1) >= e_(j-1)   (copy out, bounded)
                   p_b >= e_F(b) + x_c,  p_b >= s_(b - lookahead) + x_c,  p_b >= p_(b-1) + x_c,  s_b >= p_b
@@ -494,9 +496,9 @@ def _hbm_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, base: Me
             cols += [col.recompute[c], col.dram[c], col.nvme[c]]
             vals += [-N[c] * ch.saved[c], -(N[c] - R[c]) * ch.act[c], -(N[c] - R[c]) * ch.act[c]]
         bc = pos.backward_chunk[p]
-        if bc >= 0:
+        if bc >= 0:  # a recomputed layer's working set replaces the loss's (sim.memory.activation_arrays: max)
             cols.append(col.recomputes[bc])
-            vals.append(ch.act[bc])
+            vals.append(max(ch.act[bc] - float(base.transient_bytes[bc]), 0.0))
         for c in np.flatnonzero(pos.weights_away[p]):
             cols.append(col.weights[c])
             vals.append(-ch.weight_bytes[c])

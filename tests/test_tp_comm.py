@@ -1,4 +1,4 @@
-"""TP collectives per pass and their overlap modes (sim/tp_comm.py), DTensor TP's saved inputs, torch's loss.
+"""TP collectives per pass and their overlap modes (sim/tp_comm.py), and DTensor TP's saved inputs.
 
 Hand-computable numbers: a device with a flat GEMM efficiency of 1 and near-infinite HBM bandwidth, so a GEMM
 takes 2MNK / peak; a link with no latency, so a collective takes (t - 1)/t · bytes / bandwidth."""
@@ -12,7 +12,6 @@ from sim.comm import Link
 from sim.config import load_scenario
 from sim.errors import ScenarioError
 from sim.layer_ops import _gemms, layer_times
-from sim.overheads import loss_transient_bytes
 from sim.roofline import DeviceSpec
 from sim.tp_comm import Collective, layer_collectives, pass_with_comm_s
 
@@ -116,15 +115,6 @@ def test_overlap_keeps_accepting_booleans_and_async_tp_needs_dtensor():
     assert _megatron(**{"parallel.tp_comm_overlap": False}).parallel.tp_comm_overlap == "none"
     with pytest.raises(ScenarioError, match="tp_style"):
         _megatron(**{"parallel.tp_comm_overlap": "async-tp"})
-
-
-def test_torch_cross_entropy_holds_12_bytes_per_logit_and_16_under_loss_parallel():
-    """Beside the 4 bytes kept: fused e + 4; torch's 8 (nll and log_softmax gradients); loss_parallel's 12."""
-    logits_per_rank = 16 * 8192 * 128256 / 8
-    assert loss_transient_bytes(_megatron()) == pytest.approx(6 * logits_per_rank)
-    assert loss_transient_bytes(_sc(**{"training.loss_impl": "torch-fp32"})) == pytest.approx(12 * logits_per_rank)
-    one = _sc(**{"training.loss_impl": "torch-fp32", "parallel.tp": 1, "parallel.sequence_parallel": False})
-    assert loss_transient_bytes(one) == pytest.approx(8 * 16 * 8192 * 128256)
 
 
 def test_dtensor_keeps_the_gathered_qkv_and_mlp_inputs():
