@@ -219,6 +219,10 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
         act[0] += s * b * h / t  # theoretical_memory_usage.py counts the embedding dropout mask regardless
 
     frag = 1.0 / (1.0 - sc.memory.fragmentation)
+    stash = counts * lc.weight_stash_bytes
+    # the LM head's W needs its input and the logits' gradient (e bytes, cast back from the fp32 loss): a split
+    # backward keeps both from the last chunk's I until its W, like every other GEMM's
+    stash[-1] += e * b * s * h / sp + e * b * s * v / t
     states = {k: params * per for k, per in state_bytes_per_param(sc).items()}
     n_ranks = sc.pipeline.stages
     states["runtime"] = np.full(chunks, runtime_bytes(sc, dev, lc.params) / sc.pipeline.virtual_stages)
@@ -238,7 +242,7 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
         dram_bps=dev["dram_gbps"] * 1e9,
         nvme_bytes=dev["nvme_gib"] * 2**30,
         nvme_bps=dev["nvme_gbps"] * 1e9,
-        weight_stash_bytes=counts * lc.weight_stash_bytes * frag,
+        weight_stash_bytes=stash * frag,
         backward_transient_bytes=transient * frag,
         step_transient_bytes=tail.transient_bytes_per_chunk,
         op_checkpoint_bytes=np.full(chunks, op_checkpoint_bytes(sc) * frag),

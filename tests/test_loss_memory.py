@@ -1,4 +1,5 @@
-"""The cross entropy's working set (sim/overheads.py `loss_transient_bytes`) and how it meets recomputation."""
+"""The memory of the loss and the LM head: the cross entropy's working set (sim/overheads.py
+`loss_transient_bytes`), how it meets recomputation, and what a split backward keeps for the head's W."""
 
 from __future__ import annotations
 
@@ -43,3 +44,18 @@ def test_the_last_chunk_holds_the_larger_of_the_loss_and_a_recomputed_layer_not_
     small_costs = build_cost_table(small)
     small_plan = build_memory_plan(small, small_costs, resolve_schedule(small))
     assert small_plan.transient_bytes[-1] == pytest.approx(float(small_costs.detail.layer_activation_bytes[-1]))
+
+
+def test_a_split_backward_keeps_the_lm_heads_input_and_logit_gradient_for_w():
+    """The last chunk's W stash adds the LM head's input (e·sbh/SP) and the logits' gradient (e·sbV/t) to its
+    layers' (pipeplan's own runtime measured them: tests/test_runtime_cli.py)."""
+    from sim.costs import build_cost_table
+
+    sc = load_scenario(SCENARIO_DIR / "tiny-cpu.toml", {"pipeline.layers_per_stage": "even"})
+    d = build_cost_table(sc).detail
+    per_layer = d.weight_stash_bytes[0] / d.layers[0]
+    m, tr = sc.model, sc.training
+    e = {"fp32": 4, "bf16": 2, "fp16": 2}[tr.dtype]
+    head = e * tr.micro_batch_size * m.seq_len * (m.hidden + m.vocab)  # tp = 1
+    frag = 1 / (1 - sc.memory.fragmentation)
+    assert d.weight_stash_bytes[-1] == pytest.approx(d.layers[-1] * per_layer + head * frag)
