@@ -29,6 +29,7 @@ from sim.config import Scenario
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}  # fp8 runs keep bf16 activations and weights
 MASK_BYTES = 1  # a dropout mask keeps one byte per element (torch's bool mask; Korthikanti's count)
 LSE_BYTES = 4  # flash attention's fp32 log-sum-exp per query row and head
+FLOAT8_BYTES = 1  # torchao's float8 all-gathers move e4m3 activations and e5m2 gradients: one byte each
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,18 @@ def sequence_divisor(sc: Scenario) -> int:
     """What the replicated tensors (norm inputs, GEMM inputs, hidden dropout masks) divide by: t with SP."""
     t = sc.parallel.tp
     return t if sc.parallel.sequence_parallel else 1
+
+
+def gathered_bytes_per_element(sc: Scenario) -> int:
+    """Bytes per element of what a TP all-gather moves, and so of the gathered input a DTensor matmul keeps.
+
+    With `tp_style = "dtensor"` and Float8 linears, torchao's PrepareFloat8ModuleInput and Float8ColwiseParallel
+    cast the shard to float8 before `redistribute` gathers it (torchao/float8/float8_tensor_parallel.py), and
+    Float8Linear's `manual_float8_matmul_with_args_in_float8` saves that float8 input for the backward
+    (torchao/float8/float8_linear.py, 2024): one byte. Otherwise the training dtype's e."""
+    if sc.parallel.tp_style == "dtensor" and sc.training.float8_linears:
+        return FLOAT8_BYTES
+    return DTYPE_BYTES[sc.training.dtype]
 
 
 def mlp_widths(sc: Scenario) -> tuple[int, int]:
@@ -75,8 +88,9 @@ def layer_memory(sc: Scenario) -> LayerMemory:
     gathered = 0.0
     if sc.parallel.tp_style == "dtensor" and sp > 1:
         # torch's ColwiseParallel matmul saves the all-gathered input, not its shard (nothing is re-gathered
-        # for the weight gradient, sim/tp_comm.py): the QKV and MLP-up inputs are kept whole
-        gathered = 2 * e * s * b * h * (1 - 1 / sp)
+        # for the weight gradient, sim/tp_comm.py): the QKV and MLP-up inputs are kept whole, at the element
+        # size the all-gather moved (float8 with Float8 linears), instead of their e-byte shards
+        gathered = 2 * s * b * h * (gathered_bytes_per_element(sc) - e / sp)
         activation += gathered
     if not tr.compile and m.architecture == "llama":
         # PyTorch eager keeps what each unfused op saves for its backward (torchtitan's model at 9dec370): each

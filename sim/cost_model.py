@@ -211,8 +211,12 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     params[0] += emb_params
     params[-1] += head_params
     sp = sequence_divisor(sc)
+    # the LM head's saved input: Megatron's ColumnParallelLinear keeps the sequence shard; torch's ColwiseParallel
+    # (tp_style "dtensor": torchtitan's "output" plan, input_layouts=Shard(1)) the gathered input, in bf16 (the
+    # head is not Float8)
+    head_in = e * b * s * h / (1 if sc.parallel.tp_style == "dtensor" else sp)
     # last chunk: final-norm input, LM-head input and the fp32 logits the cross-entropy keeps (Korthikanti §4.1)
-    act[-1] += 2 * e * b * s * h / sp + 4 * b * s * v / t
+    act[-1] += e * b * s * h / sp + head_in + 4 * b * s * v / t
     # first chunk: token ids (int64) and, with dropout, the embedding dropout mask (Megatron's count)
     act[0] += 8 * s * b + (s * b * h / sp if tr.dropout > 0 else 0)
     if sc.memory.activation_model == "megatron" and tr.dropout == 0:
@@ -222,7 +226,7 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     stash = counts * lc.weight_stash_bytes
     # the LM head's W needs its input and the logits' gradient (e bytes, cast back from the fp32 loss): a split
     # backward keeps both from the last chunk's I until its W, like every other GEMM's
-    stash[-1] += e * b * s * h / sp + e * b * s * v / t
+    stash[-1] += head_in + e * b * s * v / t
     states = {k: params * per for k, per in state_bytes_per_param(sc).items()}
     n_ranks = sc.pipeline.stages
     states["runtime"] = np.full(chunks, runtime_bytes(sc, dev, lc.params) / sc.pipeline.virtual_stages)

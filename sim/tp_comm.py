@@ -50,12 +50,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sim.activations import DTYPE_BYTES
+from sim.activations import DTYPE_BYTES, gathered_bytes_per_element
 from sim.comm import Link, all_gather_s, all_reduce_s
 from sim.config import Scenario
 from sim.roofline import DeviceSpec, gemm_s, memory_bound_s
-
-FLOAT8_BYTES = 1  # torchao's float8 all-gathers move e4m3 activations and e5m2 gradients: one byte each
 
 Gemm = tuple[float, float, float]  # (M, N, K) of one GEMM on one TP rank, M the token (sequence) dimension
 
@@ -78,12 +76,6 @@ def column_parallel_consumers(sc: Scenario) -> tuple[int, int]:
     return (1, 1) if sc.model.architecture == "gpt" else (3, 2)
 
 
-def _all_gather_bytes_per_element(sc: Scenario) -> int:
-    if sc.parallel.tp_style == "dtensor" and sc.training.float8_linears:
-        return FLOAT8_BYTES
-    return DTYPE_BYTES[sc.training.dtype]
-
-
 def layer_collectives(sc: Scenario, gemms: list[Gemm]) -> dict[str, list[Collective]]:
     """The TP collectives of one layer per pass ("F", "I", "W"), from its forward GEMMs (QKV, out-proj, MLP
     up, MLP down as (M, N, K), sim/layer_ops.py `_gemms`)."""
@@ -104,7 +96,7 @@ def layer_collectives(sc: Scenario, gemms: list[Gemm]) -> dict[str, list[Collect
         out["F"] = [Collective("all-reduce", ar, (proj,), False), Collective("all-reduce", ar, (down,), False)]
         out["I"] = [Collective("all-reduce", ar, (dx(qkv),), False), Collective("all-reduce", ar, (dx(up),), False)]
         return out
-    ag = _all_gather_bytes_per_element(sc) * elements
+    ag = gathered_bytes_per_element(sc) * elements
     rs = e * elements
     attn_in, mlp_in = column_parallel_consumers(sc)
     out["F"] = [

@@ -117,8 +117,33 @@ def test_overlap_keeps_accepting_booleans_and_async_tp_needs_dtensor():
         _megatron(**{"parallel.tp_comm_overlap": "async-tp"})
 
 
-def test_dtensor_keeps_the_gathered_qkv_and_mlp_inputs():
+SBH = 16 * 8192 * 8192  # the 70B file's micro batch 16 x 8,192 tokens x hidden 8,192
+
+
+def test_dtensor_keeps_the_gathered_qkv_and_mlp_inputs_at_the_gathers_element_size():
+    """Megatron keeps the two e-byte shards (e·sbh/t each); DTensor the gathered tensors the matmuls were fed:
+    bf16 (e·sbh), or with Float8 linears the float8 tensors torchao gathered (1·sbh), in the activations and
+    in a split backward's W stash alike."""
     from sim.activations import layer_memory
 
-    extra = layer_memory(_sc()).activation - layer_memory(_megatron()).activation
-    assert extra == pytest.approx(2 * 2 * 16 * 8192 * 8192 * (1 - 1 / 8))
+    for overrides, per_input in (({}, 1 - 2 / 8), ({"training.float8_linears": False}, 2 * (1 - 1 / 8))):
+        dtensor, megatron = layer_memory(_sc(**overrides)), layer_memory(_megatron(**overrides))
+        assert dtensor.activation - megatron.activation == pytest.approx(2 * per_input * SBH)
+        assert dtensor.weight_stash - megatron.weight_stash == pytest.approx(2 * per_input * SBH)
+
+
+def test_dtensor_lm_head_keeps_its_gathered_bf16_input():
+    """torchtitan's "output" plan is ColwiseParallel(input_layouts=Shard(1)), not Float8: the head saves the
+    gathered bf16 input, e·sbh, where Megatron keeps e·sbh/t; the last chunk's activations and W stash both
+    hold it."""
+    from sim.costs import build_cost_table
+
+    dtensor, megatron = build_cost_table(_sc()), build_cost_table(_megatron())
+    lm_dt, lm_mg = (float(c.detail.layer_activation_bytes[-1]) for c in (dtensor, megatron))  # fragmentation in
+    frag = 1 / (1 - _sc().memory.fragmentation)
+    layers = dtensor.detail.layers[-1]
+    head = 2 * SBH * (1 - 1 / 8) * frag
+    assert (dtensor.activation_bytes[-1] - megatron.activation_bytes[-1]
+            == pytest.approx(layers * (lm_dt - lm_mg) + head))
+    stash_dt = dtensor.detail.weight_stash_bytes[-1] - megatron.detail.weight_stash_bytes[-1]
+    assert stash_dt == pytest.approx(layers * 2 * (1 - 2 / 8) * SBH * frag + head)
