@@ -213,6 +213,9 @@ class ParallelConfig(_Section):
         if self.tp_comm_overlap == "async-tp" and self.tp_style != "dtensor":
             raise ValueError('tp_comm_overlap: "async-tp" is torch\'s micro-pipeline TP, which fuses DTensor '
                              'TP\'s collectives; set parallel.tp_style = "dtensor" (or use "full" or "none")')
+        if self.tp_comm_overlap == "async-tp" and self.tp > 1 and not self.sequence_parallel:
+            raise ValueError('tp_comm_overlap: "async-tp" fuses the all-gathers and reduce-scatters of sequence '
+                             'parallelism; set parallel.sequence_parallel = true (or use "full" or "none")')
         return self
 
 

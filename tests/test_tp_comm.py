@@ -117,6 +117,14 @@ def test_overlap_keeps_accepting_booleans_and_async_tp_needs_dtensor():
         _megatron(**{"parallel.tp_comm_overlap": "async-tp"})
 
 
+def test_async_tp_needs_sequence_parallelism():
+    """Without SP there is no all-gather or reduce-scatter for the pass to fuse: refused, not silently "none"."""
+    with pytest.raises(ScenarioError, match="sequence_parallel"):
+        _sc(**{"parallel.tp_comm_overlap": "async-tp", "parallel.sequence_parallel": False})
+    assert _sc(**{"parallel.tp_comm_overlap": "async-tp", "parallel.tp": 1,
+                  "parallel.sequence_parallel": False}).parallel.tp_comm_overlap == "async-tp"
+
+
 SBH = 16 * 8192 * 8192  # the 70B file's micro batch 16 x 8,192 tokens x hidden 8,192
 
 
