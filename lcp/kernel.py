@@ -494,8 +494,8 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
     are then computed once)."""
     n, words = cols.shape[1], cols.shape[0]
     kk = min(k, n)
-    left_lcp = np.empty(kk, np.int64)
-    right_lcp = np.empty(kk, np.int64)
+    left_lcp = np.empty(kk + 1, np.int64)  # LCPs of the nearest rows on either side of the point
+    right_lcp = np.empty(kk + 1, np.int64)
     keys = np.empty(kk, np.int64)
     masks = np.empty(words, np.int64)
     buf = np.empty(max(8 * kk, 512), np.int64)  # a tie range's ids (grows for k > CAP)
@@ -548,30 +548,31 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
             p = _refine(cols, lengths, has_len, qw, i, full, ql, False, p, _run_end(cols, p, qw[i, 0]))
         cl = _lcp(cols, lengths, has_len, p - 1, qw, i, ql, per_word, bits) if p > 0 else -1
         cr = _lcp(cols, lengths, has_len, p, qw, i, ql, per_word, bits) if p < n else -1
-        # d*: the kk-th value of the merge of the two non-increasing sides; branch-free steps (selects),
-        # since which side goes next is a coin flip the CPU would mispredict
-        nl, nr, d, top_l, top_r, last = 0, 0, 0, cl, cr, adj.shape[0] - 1
-        for _ in range(kk):
-            left = cl >= cr
-            d = max(cl, cr)
-            jl, jr = p - 2 - nl, p + nr  # adj entries that extend either side by one row
-            next_l = min(cl, np.int64(adj[max(jl, 0)])) if jl >= 0 else -1
-            next_r = min(cr, np.int64(adj[min(jr, last)])) if jr + 1 < n else -1
-            cl = next_l if left else cl
-            cr = cr if left else next_r
-            nl += np.int64(left)
-            nr += np.int64(not left)
-        # the rows above d*, with their LCPs: both sides again, as far as the LCP stays above d*
-        gt_l, gt_r, in_l, in_r, v = 0, 0, 0, 0, top_l  # rows above d*, and above d* + 1, on each side
-        while gt_l < nl and v > d:
-            left_lcp[gt_l] = v
-            gt_l += 1
-            v = min(v, np.int64(adj[p - 1 - gt_l])) if p - 1 - gt_l >= 0 else -1
-        v = top_r
-        while gt_r < nr and v > d:
-            right_lcp[gt_r] = v
-            gt_r += 1
-            v = min(v, np.int64(adj[p + gt_r - 1])) if p + gt_r < n else -1
+        # the LCPs of the kk + 1 nearest rows on either side: running minima of adj, one chain of
+        # independent loads per side (a merge that alternates sides makes each load wait for the last)
+        last, v = adj.shape[0] - 1, cl
+        for t in range(kk + 1):
+            left_lcp[t] = v
+            v = min(v, np.int64(adj[max(p - 2 - t, 0)])) if p - 2 - t >= 0 else -1
+        v = cr
+        for t in range(kk + 1):
+            right_lcp[t] = v
+            v = min(v, np.int64(adj[min(p + t, last)])) if p + t + 1 < n else -1
+        # d* = the kk-th largest of the two non-increasing lists = max over the i taken from the left
+        # of min(left[i - 1], right[kk - i - 1]); then how many of the kk each side gives: every row
+        # above d*, and of those at d* the left ones first (the merge's order, which the walks follow)
+        d = max(left_lcp[kk - 1], right_lcp[kk - 1])
+        for t in range(1, kk):
+            d = max(d, min(left_lcp[t - 1], right_lcp[kk - t - 1]))
+        gt_l, gt_r, eq_l = 0, 0, 0  # rows above d* on each side, rows at d* on the left
+        for t in range(kk):
+            gt_l += np.int64(left_lcp[t] > d)
+            gt_r += np.int64(right_lcp[t] > d)
+            eq_l += np.int64(left_lcp[t] == d)
+        nl = gt_l + min(eq_l, kk - gt_l - gt_r)
+        nr = kk - nl
+        cl, cr = left_lcp[nl], right_lcp[nr]  # the LCPs of the next row on either side
+        in_l, in_r = 0, 0  # rows above d* + 1
         while in_l < gt_l and left_lcp[in_l] > d + 1:
             in_l += 1
         while in_r < gt_r and right_lcp[in_r] > d + 1:
