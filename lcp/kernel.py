@@ -4,16 +4,22 @@ Per query, with the exactness argument of lcp/index.py (S_0 ⊇ S_1 ⊇ … cont
 point p; d* the largest d with |S_d| >= k). Queries are visited sorted by first word, so that neighbours
 read neighbouring rows and often share their ranges.
 
-1. *Insertion point* (a first pass over the batch). A bucket table over the top bits of the first packed
-   word gives the run of rows that can hold p (`starts[b] .. starts[b + 1]`: 8–16 rows); a binary search
-   inside it, then over the later words only among rows whose first word equals the query's. The
-   table entry and bucket of queries AHEAD are prefetched, so that the misses of several queries overlap.
+1. *Insertion point.* A first pass over the batch: a bucket table over the top bits of the first packed
+   word gives the run of rows that can hold p (`starts[b] .. starts[b + 1]`: 8–16 rows), counted
+   branch-free for the lower bound of the query's first word; the table entry FAR ahead and the bucket's
+   lines AHEAD are prefetched, so that the misses of several queries overlap. The same pass reads the
+   bounds of S_{table_tokens} (the rows sharing the query's first tokens within the table's bits) while
+   the table's line is in cache. In the main loop, only a query whose first word equals a row's searches
+   the run of rows sharing it on the later words — the rows at p, which the LCPs below read next, are
+   prefetched AHEAD there, so they come from memory once.
 2. *d\\**. The LCPs of s_{p-1} and s_p come from the XOR of their words (leading zeros ÷ bits per token);
    walking outward, LCP(q, s_{p-1-i}) = min(LCP(q, s_{p-1}), adj[p-2], …, adj[p-1-i]) and symmetrically
    on the right, so both sides are non-increasing and d* is the k-th value of their merge: k branch-free
    steps, each reading one byte of `adj`.
-3. *S_{d\\*}.* The walk goes on while the LCP stays >= d* (at most WALK rows per side), else the range's
-   ends are binary-searched on the rows cut to d* tokens. d* = 0 needs no range: S_0 is every row.
+3. *S_{d\\*}.* Where d* <= table_tokens (d* tokens within the table's bits; rows of full length), a run
+   of whole buckets: two table entries (for d* = table_tokens, read in the first pass). Else the walk
+   goes on while the LCP stays >= d* (at most WALK rows per side), and the range's ends are
+   binary-searched on the rows cut to d* tokens. d* = 0 needs no range: S_0 is every row.
 4. *Ranking.* Rows deeper than d* + 1 (few) are sorted by the key (L − lcp) << id_bits | id; the rows at
    d* + 1 are every id of S_{d*+1} ascending (read and radix-sorted once per run of queries sharing it),
    less the deeper ones; the rows at d* are the k smallest ids of S_{d*} less those of S_{d*+1} (a merge
@@ -21,7 +27,8 @@ read neighbouring rows and often share their ranges.
    `direct_cap` rows (default max(8k, 512)) a byte histogram that keeps those below the k-th and a radix
    sort; for a wider one (k <= CAP) a k-way merge over the truncated merge-sort tree of lcp/smallest.py
    (two partial blocks, at most two nodes per level, each sorted by id, read only as far as needed);
-   computed once per run of queries sharing the range.
+   computed once per run of queries sharing the range (one cache for each of the two ways, since the
+   queries whose d* is shallower than their neighbours' recur between them).
 
 Everything is int64 arithmetic on numpy views of the index's tensors; the loop runs on the calling
 thread, so the kernel uses one core whatever torch's thread count is.
@@ -40,17 +47,24 @@ BLOCK = 64  # as lcp/smallest.py: positions per leaf block
 CAP = 1024  # entries per tree node: the merge answers k <= CAP
 SMALL = 32  # arrays up to this size are insertion-sorted
 AHEAD = 8  # queries ahead whose memory is prefetched: a query's misses overlap the ones before it
+FAR = 16  # queries ahead whose bucket-table entry is prefetched (read AHEAD to prefetch the bucket)
 WALK = 64  # rows walked beyond the k-th on each side before the range's end is searched instead
 _MAX = np.iinfo(np.int64).max
 _SIGN = np.uint64(1 << 63)
 
 
-def _jit(fn):
+def _jit(fn, inline="never"):
     """njit with an on-disk cache; in memory only when no cache directory is writable (numba raises)."""
     try:
-        return numba.njit(cache=True, nogil=True)(fn)
+        return numba.njit(cache=True, nogil=True, inline=inline)(fn)
     except RuntimeError:  # "cannot cache function ...: no locator available": compile per process
-        return numba.njit(nogil=True)(fn)
+        return numba.njit(nogil=True, inline=inline)(fn)
+
+
+def _inline(fn):
+    """_jit, inlined into its callers: a small helper called per query, whose call would cost more than
+    its work (numba passes each array as ~7 values on the stack)."""
+    return _jit(fn, inline="always")
 
 
 @intrinsic
@@ -71,21 +85,75 @@ def _prefetch(typingctx, arr, idx):
     return sig, codegen
 
 
+@intrinsic
+def _prefetch_at(typingctx, arr, row, idx):
+    """_prefetch for arr[row, idx] of a 2-D array (no view of the row is made)."""
+    sig = types.void(arr, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, signature.args[0], array, [args[1], args[2]])
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
+        )
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_inline
+def _prefetch_run(arr, first, last):
+    """Prefetch the cache lines of arr[first:last] (1-D), clipped to the array."""
+    first, last = max(first, 0), min(last, arr.shape[0])
+    step = max(64 // arr.itemsize, 1)
+    for pos in range(first, last, step):
+        _prefetch(arr, pos)
+    if last > first:
+        _prefetch(arr, last - 1)
+
+
 @_jit
-def _insertion_points(cols, starts, shift, half, lengths, has_len, qw, qlen, order, out):
-    """out[i] = insertion point of query i, visiting `order`; the bucket entry of the query AHEAD and
-    the first word of the one AHEAD/2 are prefetched, so the searches' misses overlap."""
-    words, b = cols.shape[0], order.shape[0]
-    full = np.full(words, -1, np.int64)
+def _first_words(cols, starts, shift, half, qw, order, deep, out, group_lo, group_hi):
+    """A first pass over the batch in `order`: out[i] = the first row whose first word is >= query i's
+    (its insertion point unless rows share that word), and where `deep` != 0 the bounds of the rows
+    sharing the query's first table_tokens tokens (a run of whole buckets, read while the table's line
+    is in cache). The table entry of the query FAR ahead and the bucket's lines of the one AHEAD are
+    prefetched, so that the misses of several queries overlap instead of queueing."""
+    b, n = order.shape[0], cols.shape[1]
     for ii in range(b):
+        if ii + FAR < b:
+            _prefetch(starts, (qw[order[ii + FAR], 0] >> shift) + half)
         if ii + AHEAD < b:
-            _prefetch(starts, (qw[order[ii + AHEAD], 0] >> shift) + half)
-        if ii + AHEAD // 2 < b:  # the bucket's words: the search reads later words where first words tie
-            at = starts[(qw[order[ii + AHEAD // 2], 0] >> shift) + half]
-            for w in range(words):
-                _prefetch(cols[w], min(at, cols.shape[1] - 1))
+            bucket = (qw[order[ii + AHEAD], 0] >> shift) + half
+            first, last = min(np.int64(starts[bucket]), n - 1), min(np.int64(starts[bucket + 1]), n - 1)
+            _prefetch_at(cols, 0, first)
+            _prefetch_at(cols, 0, (first + last) >> 1)
+            _prefetch_at(cols, 0, last)
         i = order[ii]
-        out[i] = _search(cols, starts, shift, half, lengths, has_len, qw[i], full, qlen[i], False)
+        v = qw[i, 0]
+        out[i] = _first_at_least(cols, starts, shift, half, v, False)
+        if deep != 0:
+            group_lo[i] = starts[((v & deep) >> shift) + half]
+            group_hi[i] = starts[((v | ~deep) >> shift) + half + 1]
+
+
+@_inline
+def _run_end(cols, lo, v):
+    """The end of the run of rows from lo whose first word is v (cols[0, lo] == v), galloping: O(log run)."""
+    n = cols.shape[1]
+    good, bad, step = lo, lo + 1, 1  # cols[0, good] == v; the run ends in (good, bad]
+    while bad < n and cols[0, bad] == v:
+        good, step = bad, step << 1
+        bad = min(lo + step, n)
+    while bad - good > 1:
+        mid = (good + bad) >> 1
+        if cols[0, mid] == v:
+            good = mid
+        else:
+            bad = mid
+    return bad
 
 
 @_jit
@@ -120,8 +188,8 @@ def pack_queries(q, qlen, length, bits, lo_val, hi_val, words):
     return qw, eff
 
 
-@_jit
-def _first_at_least(col0, starts, shift, half, v, strict):
+@_inline
+def _first_at_least(cols, starts, shift, half, v, strict):
     """First sorted position whose first word is >= v (strict: > v), inside v's bucket."""
     b = (v >> shift) + half
     lo = np.int64(starts[b])
@@ -131,17 +199,23 @@ def _first_at_least(col0, starts, shift, half, v, strict):
         return lo
     if strict and low_bits == (np.int64(1) << shift) - 1:  # v is its bucket's largest value
         return hi
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        x = col0[mid]
-        if x < v or (strict and x == v):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+    m = hi - lo
+    if m <= SMALL:  # a bucket as built (8-16 rows): count the rows below v, with no branch to mispredict
+        below = 0
+        for j in range(lo, hi):
+            x = cols[0, j]
+            below += np.int64((x < v) | (strict & (x == v)))
+        return lo + below
+    while m > 1:  # a crowded bucket (duplicate first words): a binary search whose steps are selects
+        step = m >> 1
+        x = cols[0, lo + step]
+        lo = lo + step if (x < v) | (strict & (x == v)) else lo
+        m -= step
+    x = cols[0, lo]
+    return lo + np.int64((x < v) | (strict & (x == v)))
 
 
-@_jit
+@_inline
 def _fill_masks(masks, d, per_word, bits):
     """masks[w] keeps the first d tokens of a packed row (and the flipped top bit where any is kept)."""
     for w in range(masks.shape[0]):
@@ -150,29 +224,37 @@ def _fill_masks(masks, d, per_word, bits):
 
 
 @_jit
-def _search(cols, starts, shift, half, lengths, has_len, q, masks, short, upper):
-    """First position whose row cut by `masks` is >= (upper: >) the query cut the same way; a row whose
-    cut equals the query's but whose length is < short counts as smaller (a proper prefix sorts first)."""
+def _search(cols, starts, shift, half, lengths, has_len, qw, i, masks, short, upper):
+    """First position whose row cut by `masks` is >= (upper: >) query i (qw[i]) cut the same way; a row
+    whose cut equals the query's but whose length is < short counts as smaller (a proper prefix sorts
+    first). Takes qw and i, not a view qw[i]: see _prefetch_at."""
     n, words = cols.shape[1], cols.shape[0]
     m0 = masks[0]
     if m0 == 0:
         return n if upper else 0
-    v = q[0] & m0
-    first = _first_at_least(cols[0], starts, shift, half, v, False)
-    past = _first_at_least(cols[0], starts, shift, half, v | ~m0, True)
+    v = qw[i, 0] & m0
+    first = _first_at_least(cols, starts, shift, half, v, False)
+    past = _first_at_least(cols, starts, shift, half, v | ~m0, True)
     more = has_len and short > 0
     for w in range(1, words):
         if masks[w] != 0:
             more = True
     if not more:
         return past if upper else first
-    lo, hi = first, past
+    return _refine(cols, lengths, has_len, qw, i, masks, short, upper, first, past)
+
+
+@_inline
+def _refine(cols, lengths, has_len, qw, i, masks, short, upper, lo, hi):
+    """_search inside [lo, hi), a run of rows whose cut first words equal the query's: a binary search
+    on the later words (and the length)."""
+    words = cols.shape[0]
     while lo < hi:
         mid = (lo + hi) >> 1
         c = 0
         for w in range(1, words):
             a = cols[w, mid] & masks[w]
-            z = q[w] & masks[w]
+            z = qw[i, w] & masks[w]
             if a != z:
                 c = -1 if a < z else 1
                 break
@@ -185,13 +267,13 @@ def _search(cols, starts, shift, half, lengths, has_len, q, masks, short, upper)
     return lo
 
 
-@_jit
-def _lcp(cols, lengths, has_len, j, q, ql, per_word, bits):
-    """LCP of the query (words q, length ql) with the row at sorted position j, within both lengths."""
+@_inline
+def _lcp(cols, lengths, has_len, j, qw, i, ql, per_word, bits):
+    """LCP of query i (words qw[i], length ql) with the row at sorted position j, within both lengths."""
     words = cols.shape[0]
     out = words * per_word
     for w in range(words):
-        x = cols[w, j] ^ q[w]
+        x = cols[w, j] ^ qw[i, w]
         if x != 0:
             out = w * per_word + leading_zeros(x) // bits
             break
@@ -218,7 +300,8 @@ def _sort(a, m, tmp, counts):
         low, high = min(low, a[i]), max(high, a[i])
     src, dst, flipped, shift = a, tmp, False, 0
     while ((high - low) >> shift) > 0:
-        counts[:] = 0
+        for b in range(256):
+            counts[b] = 0
         for i in range(m):
             counts[((src[i] - low) >> shift) & 255] += 1
         if counts[((src[0] - low) >> shift) & 255] < m:  # else every value has this byte: nothing to move
@@ -235,7 +318,8 @@ def _sort(a, m, tmp, counts):
             src, dst, flipped = dst, src, not flipped
         shift += 8
     if flipped:
-        a[:m] = tmp[:m]
+        for i in range(m):
+            a[i] = tmp[i]
 
 
 @_jit
@@ -260,7 +344,8 @@ def _select(a, m, count, low, high, tmp, counts):
         return
     span = high - low
     shift = max(64 - leading_zeros(span | 1) - 8, 0)  # (high - low) >> shift <= 255
-    counts[:] = 0
+    for b in range(256):
+        counts[b] = 0
     for i in range(m):
         counts[(a[i] - low) >> shift] += 1
     below, b = 0, 0
@@ -272,11 +357,12 @@ def _select(a, m, count, low, high, tmp, counts):
     for i in range(m):
         tmp[kept] = a[i]
         kept += np.int64(a[i] - low < limit)
-    a[:kept] = tmp[:kept]
+    for i in range(kept):
+        a[i] = tmp[i]
     _sort(a, kept, tmp, counts)
 
 
-@_jit
+@_inline
 def _tree_value(kind, node, idx, ids, lev1, lev2, lev3, lev4, id_rows, row0, unsorted):
     """Entry idx of one merge list: the partial blocks (kind 0), an offset level (1-4), an id level (5+)."""
     if kind == 0:
@@ -345,8 +431,22 @@ def _tree_smallest(lo, hi, count, ids, lev1, lev2, lev3, lev4, id_rows, id_start
             n_lists += 1
         left >>= 1
         right >>= 1
-    _sort(unsorted, nu, tmp, counts)
-    kinds[0], nodes[0], rows0[0], lens[0] = 0, 0, 0, nu
+    for li in range(1, n_lists):  # the first entry of every list: their misses overlap the blocks' sort
+        kind, node = kinds[li], nodes[li]
+        if kind == 1:
+            _prefetch_at(lev1, node, 0)
+        elif kind == 2:
+            _prefetch_at(lev2, node, 0)
+        elif kind == 3:
+            _prefetch_at(lev3, node, 0)
+        elif kind == 4:
+            _prefetch_at(lev4, node, 0)
+        else:
+            _prefetch_at(id_rows, rows0[li] + node, 0)
+    head = min(count, nu)  # of the partial and whole blocks' ids, only the count smallest can be taken
+    if nu > 0:
+        _smallest(unsorted, nu, head, tmp, counts)
+    kinds[0], nodes[0], rows0[0], lens[0] = 0, 0, 0, head
     for li in range(n_lists):
         cursor[li] = 0
         heads[li] = _tree_value(kinds[li], nodes[li], 0, ids, lev1, lev2, lev3, lev4, id_rows, rows0[li],
@@ -367,9 +467,9 @@ def _tree_smallest(lo, hi, count, ids, lev1, lev2, lev3, lev4, id_rows, id_start
         got += 1
 
 
-@_jit
-def _emit(src, m, skip, n_skip, row, start, stop):
-    """row[start:stop] = the first values of src[:m] not in skip[:n_skip] (both ascending)."""
+@_inline
+def _emit(src, m, skip, n_skip, out, row, start, stop):
+    """out[row, start:stop] = the first values of src[:m] not in skip[:n_skip] (both ascending)."""
     e, t = 0, start
     for c in range(m):
         if t == stop:
@@ -379,13 +479,14 @@ def _emit(src, m, skip, n_skip, row, start, stop):
             e += 1
         if e < n_skip and skip[e] == v:
             continue
-        row[t] = v
+        out[row, t] = v
         t += 1
 
 
 @_jit
 def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift, half,
-         lev1, lev2, lev3, lev4, id_rows, id_starts, direct_cap, qw, qlen, order, k, out_lcps, out_ids):
+         lev1, lev2, lev3, lev4, id_rows, id_starts, direct_cap, table_tokens, qw, qlen, order, k, out_lcps,
+         out_ids):
     """Fill out_lcps / out_ids [B, >= min(k, N)] (pre-filled with -1) with each query's exact top-k.
 
     Queries are visited in `order` (sorted by first word: neighbours in the sorted rows, so that the
@@ -393,8 +494,8 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
     are then computed once)."""
     n, words = cols.shape[1], cols.shape[0]
     kk = min(k, n)
-    left_lcp = np.empty(kk, np.int64)
-    right_lcp = np.empty(kk, np.int64)
+    left_lcp = np.empty(kk + 1, np.int64)  # LCPs of the nearest rows on either side of the point
+    right_lcp = np.empty(kk + 1, np.int64)
     keys = np.empty(kk, np.int64)
     masks = np.empty(words, np.int64)
     buf = np.empty(max(8 * kk, 512), np.int64)  # a tie range's ids (grows for k > CAP)
@@ -411,48 +512,67 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
     id_mask = (np.int64(1) << id_bits) - 1
     cached = np.empty(kk, np.int64)  # the smallest ids of the last tie range: queries in `order` share it
     cached_lo, cached_hi = -1, -1
+    wide = np.empty(kk, np.int64)  # the same for the last range answered by the tree: queries sharing a
+    wide_lo, wide_hi = -1, -1  # shorter prefix (d* below the others') recur among them in `order`
     above = np.empty(kk, np.int64)  # every id of the last S_{d*+1}, ascending
     above_lo, above_hi = -1, -1
     inner = np.empty(kk, np.int64)  # ids of the rows deeper than d* + 1, ascending
     points = np.empty(qw.shape[0], np.int64)
-    _insertion_points(cols, starts, shift, half, lengths, has_len, qw, qlen, order, points)
+    deep = -(np.int64(1) << (64 - table_tokens * bits)) if table_tokens > 0 else np.int64(0)
+    group_lo = np.empty(qw.shape[0] if table_tokens > 0 else 0, np.int64)  # S_{table_tokens} per query
+    group_hi = np.empty_like(group_lo)
+    _first_words(cols, starts, shift, half, qw, order, deep, points, group_lo, group_hi)
+    full = np.full(words, -1, np.int64)
+    refine = words > 1 or has_len  # rows sharing a query's first word are told apart by later words
     for ii in range(order.shape[0]):
-        if ii + AHEAD < order.shape[0]:  # the rows, adjacent LCPs and ids around a later query's point
-            ahead = max(points[order[ii + AHEAD]] - 1, 0)
+        # memory of a later query, AHEAD: the rows at its point (the search on later words and the two
+        # LCPs read them), the adjacent LCPs the walks read and the ids of S_{table_tokens} (which holds
+        # every tie range of d* >= table_tokens) near the point, else those within WALK rows
+        if ii + AHEAD < order.shape[0]:
+            j = order[ii + AHEAD]
+            ahead = max(points[j] - 1, 0)
             for w in range(words):
-                _prefetch(cols[w], ahead)
-            for off in (-64, 0, 64):  # the walks read adj about +-64 rows, a tie range's ids as many
-                _prefetch(adj, min(max(ahead + off, 0), adj.shape[0] - 1))
-            for off in (-64, -48, -32, -16, 0, 16, 32, 48, 64):
-                _prefetch(ids, min(max(ahead + off, 0), n - 1))
+                _prefetch_at(cols, w, ahead)
+                _prefetch_at(cols, w, min(ahead + 1, n - 1))
+            if has_len:
+                _prefetch(lengths, ahead)
+            reach = kk + 1 if table_tokens > 0 else kk + WALK
+            _prefetch_run(adj, ahead - reach, ahead + reach + 1)
+            first, last = ahead - WALK, ahead + WALK + 1
+            if table_tokens > 0:
+                first, last = max(first, group_lo[j]), min(last, group_hi[j])
+            _prefetch_run(ids, first, last)
         i = order[ii]
-        q, ql, p = qw[i], qlen[i], points[i]
-        cl = _lcp(cols, lengths, has_len, p - 1, q, ql, per_word, bits) if p > 0 else -1
-        cr = _lcp(cols, lengths, has_len, p, q, ql, per_word, bits) if p < n else -1
-        # d*: the kk-th value of the merge of the two non-increasing sides; branch-free steps (selects),
-        # since which side goes next is a coin flip the CPU would mispredict
-        nl, nr, d, top_l, top_r, last = 0, 0, 0, cl, cr, adj.shape[0] - 1
-        for _ in range(kk):
-            left = cl >= cr
-            d = max(cl, cr)
-            jl, jr = p - 2 - nl, p + nr  # adj entries that extend either side by one row
-            next_l = min(cl, np.int64(adj[max(jl, 0)])) if jl >= 0 else -1
-            next_r = min(cr, np.int64(adj[min(jr, last)])) if jr + 1 < n else -1
-            cl = next_l if left else cl
-            cr = cr if left else next_r
-            nl += np.int64(left)
-            nr += np.int64(not left)
-        # the rows above d*, with their LCPs: both sides again, as far as the LCP stays above d*
-        gt_l, gt_r, in_l, in_r, v = 0, 0, 0, 0, top_l  # rows above d*, and above d* + 1, on each side
-        while gt_l < nl and v > d:
-            left_lcp[gt_l] = v
-            gt_l += 1
-            v = min(v, np.int64(adj[p - 1 - gt_l])) if p - 1 - gt_l >= 0 else -1
-        v = top_r
-        while gt_r < nr and v > d:
-            right_lcp[gt_r] = v
-            gt_r += 1
-            v = min(v, np.int64(adj[p + gt_r - 1])) if p + gt_r < n else -1
+        ql, p = qlen[i], points[i]
+        if refine and p < n and cols[0, p] == qw[i, 0]:  # rows share the first word: search their run
+            p = _refine(cols, lengths, has_len, qw, i, full, ql, False, p, _run_end(cols, p, qw[i, 0]))
+        cl = _lcp(cols, lengths, has_len, p - 1, qw, i, ql, per_word, bits) if p > 0 else -1
+        cr = _lcp(cols, lengths, has_len, p, qw, i, ql, per_word, bits) if p < n else -1
+        # the LCPs of the kk + 1 nearest rows on either side: running minima of adj, one chain of
+        # independent loads per side (a merge that alternates sides makes each load wait for the last)
+        last, v = adj.shape[0] - 1, cl
+        for t in range(kk + 1):
+            left_lcp[t] = v
+            v = min(v, np.int64(adj[max(p - 2 - t, 0)])) if p - 2 - t >= 0 else -1
+        v = cr
+        for t in range(kk + 1):
+            right_lcp[t] = v
+            v = min(v, np.int64(adj[min(p + t, last)])) if p + t + 1 < n else -1
+        # d* = the kk-th largest of the two non-increasing lists = max over the i taken from the left
+        # of min(left[i - 1], right[kk - i - 1]); then how many of the kk each side gives: every row
+        # above d*, and of those at d* the left ones first (the merge's order, which the walks follow)
+        d = max(left_lcp[kk - 1], right_lcp[kk - 1])
+        for t in range(1, kk):
+            d = max(d, min(left_lcp[t - 1], right_lcp[kk - t - 1]))
+        gt_l, gt_r, eq_l = 0, 0, 0  # rows above d* on each side, rows at d* on the left
+        for t in range(kk):
+            gt_l += np.int64(left_lcp[t] > d)
+            gt_r += np.int64(right_lcp[t] > d)
+            eq_l += np.int64(left_lcp[t] == d)
+        nl = gt_l + min(eq_l, kk - gt_l - gt_r)
+        nr = kk - nl
+        cl, cr = left_lcp[nl], right_lcp[nr]  # the LCPs of the next row on either side
+        in_l, in_r = 0, 0  # rows above d* + 1
         while in_l < gt_l and left_lcp[in_l] > d + 1:
             in_l += 1
         while in_r < gt_r and right_lcp[in_r] > d + 1:
@@ -478,7 +598,7 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
                 for pos in range(above_lo, above_hi):
                     above[pos - above_lo] = ids[pos]
                 _sort(above, n_above, tmp, counts)
-            _emit(above, n_above, inner, n_in, out_ids[i], n_in, n_above)
+            _emit(above, n_above, inner, n_in, out_ids, i, n_in, n_above)
         for t in range(n_in, n_above):
             out_lcps[i, t] = d + 1
         for t in range(n_above, kk):
@@ -494,37 +614,47 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
                 out_ids[i, t] = v
                 v += 1
             continue
-        # S_{d*} = [lo, hi): walk on while the LCP stays >= d*, else search the rows cut to d* tokens
-        ge_l, steps = nl, 0
-        while cl >= d and steps < WALK:
-            ge_l += 1
-            steps += 1
-            cl = min(cl, np.int64(adj[p - 1 - ge_l])) if p - 1 - ge_l >= 0 else -1
-        ge_r, steps = nr, 0
-        while cr >= d and steps < WALK:
-            ge_r += 1
-            steps += 1
-            cr = min(cr, np.int64(adj[p + ge_r - 1])) if p + ge_r < n else -1
-        lo, hi = p - ge_l, p + ge_r
-        if cl >= d or cr >= d:
-            _fill_masks(masks, d, per_word, bits)
-            if cl >= d:
-                lo = _search(cols, starts, shift, half, lengths, has_len, q, masks, d, False)
-            if cr >= d:
-                hi = _search(cols, starts, shift, half, lengths, has_len, q, masks, d, True)
-        if lo != cached_lo or hi != cached_hi:  # the kk smallest ids of [lo, hi), ascending
+        # S_{d*} = [lo, hi): read off the bucket table when d* tokens lie within its bits, else walk on
+        # while the LCP stays >= d*, else search the rows cut to d* tokens
+        if d == table_tokens:  # the rows whose first d* tokens are the query's: read in the first pass
+            lo, hi = group_lo[i], group_hi[i]
+        elif d < table_tokens:  # a run of whole buckets
+            keep = -(np.int64(1) << (64 - d * bits))
+            lo = np.int64(starts[((qw[i, 0] & keep) >> shift) + half])
+            hi = np.int64(starts[((qw[i, 0] | ~keep) >> shift) + half + 1])
+        else:
+            ge_l, steps = nl, 0
+            while cl >= d and steps < WALK:
+                ge_l += 1
+                steps += 1
+                cl = min(cl, np.int64(adj[p - 1 - ge_l])) if p - 1 - ge_l >= 0 else -1
+            ge_r, steps = nr, 0
+            while cr >= d and steps < WALK:
+                ge_r += 1
+                steps += 1
+                cr = min(cr, np.int64(adj[p + ge_r - 1])) if p + ge_r < n else -1
+            lo, hi = p - ge_l, p + ge_r
+            if cl >= d or cr >= d:
+                _fill_masks(masks, d, per_word, bits)
+                if cl >= d:
+                    lo = _search(cols, starts, shift, half, lengths, has_len, qw, i, masks, d, False)
+                if cr >= d:
+                    hi = _search(cols, starts, shift, half, lengths, has_len, qw, i, masks, d, True)
+        direct = hi - lo <= cap or kk > CAP  # read the range's ids, else the tree
+        if direct and (lo != cached_lo or hi != cached_hi):  # the kk smallest ids of [lo, hi), ascending
             cached_lo, cached_hi = lo, hi
-            if hi - lo <= cap or kk > CAP:  # read the range's ids (and their extremes, for the histogram)
-                if hi - lo > buf.shape[0]:
-                    buf, tmp = np.empty(hi - lo, np.int64), np.empty(hi - lo, np.int64)
-                low, high = _MAX, np.int64(0)
-                for pos in range(lo, hi):
-                    v = np.int64(ids[pos])
-                    buf[pos - lo] = v
-                    low, high = min(low, v), max(high, v)
-                _select(buf, hi - lo, kk, low, high, tmp, counts)
-                cached[:] = buf[:kk]
-            else:  # the tree: a k-way merge over O(log) sorted lists
-                _tree_smallest(lo, hi, kk, ids, lev1, lev2, lev3, lev4, id_rows, id_starts, cached,
-                               unsorted, kinds, nodes, rows0, lens, heads, cursor, tmp, counts)
-        _emit(cached, kk, above, n_above, out_ids[i], n_above, kk)
+            if hi - lo > buf.shape[0]:
+                buf, tmp = np.empty(hi - lo, np.int64), np.empty(hi - lo, np.int64)
+            low, high = _MAX, np.int64(0)  # their extremes, for the histogram
+            for pos in range(lo, hi):
+                v = np.int64(ids[pos])
+                buf[pos - lo] = v
+                low, high = min(low, v), max(high, v)
+            _select(buf, hi - lo, kk, low, high, tmp, counts)
+            for t in range(kk):
+                cached[t] = buf[t]
+        elif not direct and (lo != wide_lo or hi != wide_hi):  # a k-way merge over O(log) sorted lists
+            wide_lo, wide_hi = lo, hi
+            _tree_smallest(lo, hi, kk, ids, lev1, lev2, lev3, lev4, id_rows, id_starts, wide,
+                           unsorted, kinds, nodes, rows0, lens, heads, cursor, tmp, counts)
+        _emit(cached if direct else wide, kk, above, n_above, out_ids, i, n_above, kk)

@@ -45,25 +45,34 @@ def index_bytes(index: LCPIndex, queries: torch.Tensor, k: int) -> float:
 def kernel_bytes(index: LCPIndex, queries: torch.Tensor, k: int) -> float:
     """Mean bytes per query for LCPIndex.topk through the compiled kernel (lcp/kernel.py).
 
-    The bucket table's entry and the bucket's first words replace the binary search; adj is walked over
-    the window and on to the ends of S_{d*} (at most WALK rows a side, else two bucket searches); the
-    ids of S_{d*+1}; the ids of S_{d*} read directly up to the kernel's direct cap, else the tree as for
-    the torch path; nothing for d* = 0 (the ids are 0, 1, 2, ...). The kernel visits queries sorted by
-    first word and reads a range shared with the query before it once: the model counts it once too.
+    The bucket table's entry and the bucket's first words replace the binary search; where d* is within
+    the table's depth (`engine.table_tokens`) S_{d*} is two more table entries and adj is read only
+    over the window of d* (k + 1 entries), else adj is walked on to the ends of S_{d*} (at most WALK
+    rows a side, else two bucket searches); the ids of S_{d*+1}; the ids of S_{d*} read directly up to
+    the kernel's direct cap, else the tree as for the torch path; nothing for d* = 0 (the ids are
+    0, 1, 2, ...). The kernel visits queries in `engine.visiting_order` and reads a range shared with
+    the query before it once: the model counts it once too.
     """
-    from lcp.engine import bucket_bits
+    from lcp.engine import bucket_bits, table_entry_bytes, table_tokens, visiting_order
     from lcp.kernel import CAP, WALK
 
     n, w, kk = index.n, index.fmt.words, min(k, index.n)
     at = index.explain(queries, kk)
     size = (at.hi - at.lo).double().cpu()
-    bucket_rows = n / 2 ** bucket_bits(n)
-    search = 1 + _run(bucket_rows * 8)  # a table entry, then the bucket's first words
-    walked = torch.clamp(size, max=kk + 2 * WALK)
+    d = at.d.cpu()
+    bits = bucket_bits(n)
+    search = 1 + _run(n / 2**bits * 8)  # a table entry, then the bucket's first words
+    depth = table_tokens(n, index.fmt.bits, index.lengths is not None)
+    tabled = (d >= 1) & (d <= depth)
+    # the two entries bounding S_{d*}: 2^(bits - d*·token bits) entries apart
+    apart = (2.0 ** (bits - d.clamp(max=max(depth, 0)) * index.fmt.bits)) * table_entry_bytes(n)
+    entries = torch.where(apart < LINE, 1.0, 2.0)
+    walked = torch.where(tabled, float(kk + 1), torch.clamp(size, max=kk + 2 * WALK))
     lines = search + 2 * w + _run(walked * index.adj.element_size())
-    lines = lines + (size > kk + 2 * WALK).double() * 2 * search  # the ends of S_{d*}, searched
+    searched = ((size > kk + 2 * WALK) & ~tabled).double() * 2 * search  # the ends of S_{d*}, searched
+    lines = lines + torch.where(tabled, entries, searched)
     words, _ = prepare_queries(queries, None, index.fmt, torch.device("cpu"))
-    order = torch.sort(words[:, 0], stable=True).indices  # the kernel's visiting order
+    order = torch.from_numpy(visiting_order(words[:, 0].numpy()))  # the kernel's visiting order
     above_lo, above_hi = (at.p - at.gt_l).cpu(), (at.p + at.gt_r).cpu()
     lines = lines + _run((at.gt_l + at.gt_r).double().cpu() * index.ids.element_size()) * _first_of_runs(
         order, above_lo, above_hi
@@ -71,7 +80,7 @@ def kernel_bytes(index: LCPIndex, queries: torch.Tensor, k: int) -> float:
     cap = max(8 * kk, 512) if index.direct_cap is None else index.direct_cap
     direct = _run(size * index.ids.element_size())
     ties = torch.where((size <= cap) | (kk > CAP), direct, _tree_lines(index, size, kk))
-    ties = torch.where(at.d.cpu() == 0, 0.0, ties) * _first_of_runs(order, at.lo.cpu(), at.hi.cpu())
+    ties = torch.where(d == 0, 0.0, ties) * _first_of_runs(order, at.lo.cpu(), at.hi.cpu())
     return float((lines + ties).mean()) * LINE
 
 

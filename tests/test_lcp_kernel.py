@@ -136,6 +136,48 @@ def test_engines_agree_on_random_bytes():
         assert torch.equal(a.ids, b.ids) and torch.equal(a.lcps, b.lcps), k
 
 
+def test_ranges_from_the_bucket_table():
+    """N >= 2^19 byte rows: the bucket table covers two tokens, so S_1 and S_2 are read off it. Against
+    the torch engine (itself checked against brute force): the first two tokens from 6 values (ranges of
+    ~15,000 rows: d* = 1, 2 and deeper, through the direct read and the tree), 3,000 rows sharing their
+    first 8 tokens (a crowded bucket: the binary search of the first word and the gallop over its run)
+    among them 40 identical rows, and queries whose first token no row has (d* = 0) or that repeat."""
+    from lcp.engine import table_tokens
+
+    n = (1 << 19) + 5
+    g = torch.Generator().manual_seed(7)
+    rows = torch.randint(0, 256, (n, 32), dtype=torch.uint8, generator=g)
+    rows[:, :2] = torch.randint(0, 6, (n, 2), dtype=torch.uint8, generator=g)
+    rows[1000:4000, :8] = rows[1000, :8]
+    rows[2000:2040] = rows[2000]
+    assert table_tokens(n, 8, has_lengths=False) == 2
+    src = torch.randint(0, n, (400,), generator=g)
+    src[:60] = torch.randint(1000, 4000, (60,), generator=g)
+    keep = torch.randint(0, 33, (400, 1), generator=g) > torch.arange(32)
+    queries = torch.where(keep, rows[src], torch.randint(0, 256, (400, 32), dtype=torch.uint8, generator=g))
+    queries[60:80, 0] = 200  # no row starts with 200
+    queries[80:100] = queries[100]
+    fast, slow = build(rows, engine="numba"), build(rows, engine="torch")
+    for k in (1, 10, 100, 1000):
+        a, b = fast.topk(queries, k), slow.topk(queries, k)
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.lcps, b.lcps), k
+    depths = set(slow.explain(queries, 10).d.tolist()) | set(slow.explain(queries, 100).d.tolist())
+    assert {0, 1, 2, 3} <= depths, depths  # S_1 and S_2 from the table, S_3 from the walk or searches
+
+
+def test_visiting_order():
+    """engine.visiting_order: a permutation of the batch, non-decreasing in the first word's high bits."""
+    from lcp.engine import visiting_order
+
+    for b in (0, 1, 2, 7, 4096):
+        words = np.random.default_rng(b).integers(-(2**63), 2**63 - 1, b, dtype=np.int64)
+        words[: b // 2] = words[0] if b else 0  # ties
+        order = visiting_order(words)
+        assert sorted(order.tolist()) == list(range(b))
+        low = max(b - 1, 0).bit_length()
+        assert (np.diff(words[order] >> low) >= 0).all()
+
+
 @pytest.mark.parametrize("m", [1, 2, 31, 32, 33, 100, 257, 5000])
 def test_sort_and_selection(m):
     """The kernel's radix sort and quickselect against numpy's sort: random, sorted, reversed, organ-pipe
