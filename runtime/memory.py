@@ -90,6 +90,11 @@ def run_memory(sc: Scenario, schedule: Schedule, choice: MemoryChoice | None = N
     mem = sc.memory
     resolved = resolve_memory_plan(sc, costs, schedule, choice)
     plan = resolved.plan
+    if plan.offloads_stash:  # the simulator and the planner move it; WeightGradStore keeps it on the device
+        field = "memory.plan" if resolved.choice is not None else "memory.offload_stash"
+        raise PipeplanError(f"{field}: the runtime does not offload the W stash (the plan moves "
+                            f"{plan.stash_offload_bytes.max() / 2**20:.1f} MiB of a chunk's stash); allowed: "
+                            "memory.offload_stash = 0, or a planned step without stash offload")
     if resolved.choice is None:
         chunks = [ChunkMemory(p.removeprefix("chronos:"), mem.offload_activations, None, p) for p in plan.policy]
         for c in chunks:

@@ -360,6 +360,10 @@ class MemoryConfig(_Section):
     offload_activations: Annotated[float, Field(ge=0, le=1)] = 0.0
     """Share of each kept activation copied to host after its forward and prefetched before its backward."""
     activations_tier: Literal["dram", "nvme"] = "dram"
+    offload_stash: Annotated[float, Field(ge=0, le=1)] | Literal["auto"] = 0.0
+    """Share of each split backward's W stash (the weight GEMMs' inputs and output gradients, kept from I's end
+    to W's end) copied to DRAM after its I and prefetched before its W; "auto": the memory MILP chooses per
+    chunk (needs plan = true)."""
     optimizer: Tier = "hbm"
     """Where Adam's m and v live; off HBM, the optimizer step runs on the host after each chunk's last backward."""
     master_weights: Tier = "hbm"
@@ -419,6 +423,9 @@ class Scenario(_Section):
             _check_layer_split(self.pipeline, self.model.layers, chunks)
         _check_per_chunk("memory.recompute", self.memory.recompute, chunks)
         _check_per_chunk("memory.offload_weights", self.memory.offload_weights, chunks)
+        if self.memory.offload_stash == "auto" and not self.memory.plan:
+            raise ValueError("memory.offload_stash: 'auto' lets the memory MILP choose; set memory.plan = true, "
+                             "or give a share in [0, 1]")
         if self.memory.offload_weights == "auto" and not self.memory.plan:
             raise ValueError("memory.offload_weights: 'auto' lets the memory MILP choose; set memory.plan = true, "
                              "or give none | all | one bool per chunk")

@@ -22,6 +22,12 @@ copy, so leaving costs no copy) and come back on the h2d engine, queued when the
 (before that action's activation prefetches), allocating HBM when the copy starts; the next use waits.
 What the optimizer step does with weights away at the step's end is sim.memory.with_weight_offload's rule:
 the engine holds `step_weight_bytes` in HBM during the step and runs the copies it priced in the side chains.
+W stash offload (MemoryPlan.stash_offload_bytes) treats a split backward's stash as activations are treated:
+every I queues a device-to-host copy of the stash's offloaded part on the d2h engine (FIFO with the forwards'
+copies), which leaves HBM when the copy ends; an I may not start while more than one earlier stash copy is
+unfinished; every W queues a prefetch when the rank starts the action `prefetch_lookahead` places before it
+(in one rank-ordered list with the B/I prefetches that action issues), after the copy out, HBM allocated
+when it starts; the W waits for it.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import simpy
 
 from sim.costs import CostTable, per_rank_sum
 from sim.errors import ScheduleError
-from sim.graph import CopyOrder, SideTask, prefetch_issuer, side_chains, step_structure, weight_windows
+from sim.graph import STASH_KINDS, CopyOrder, SideTask, prefetch_issuer, side_chains, step_structure, weight_windows
 from sim.ir import BACKWARD_KINDS, Action, Kind, Schedule
 from sim.memory_plan import MemoryPlan, keep_everything
 
@@ -65,7 +71,9 @@ class CopyRecord:
 
     rank: int
     stream: str  # "d2h" or "h2d"
-    what: str  # "offload", "prefetch", "weights" (a weight prefetch: `action` is the next use) or "step"
+    # "offload", "prefetch", "stash-offload" (after an I), "stash-prefetch" (before a W), "weights" (a weight
+    # prefetch: `action` is the next use) or "step"
+    what: str
     action: Action | None  # None for the optimizer step's copies
     stage: int
     start_s: float
@@ -276,7 +284,9 @@ class _StepSimulation:
         self.finished: list[int] = []
         # offload machinery (stream semantics), only when the plan moves anything
         self.offloads = mem.offloads
-        self.copying = mem.offloads or mem.offloads_weights  # some action may wait for a copy
+        self.stashes = mem.offloads_stash
+        self.stash_off = mem.stash_offload_bytes.tolist() if self.stashes else []
+        self.copying = mem.offloads or mem.offloads_weights or self.stashes  # some action may wait for a copy
         self.d2h = [simpy.Resource(self.env) for _ in range(n_ranks)]
         self.h2d = [simpy.Resource(self.env) for _ in range(n_ranks)]
         self.copied = {i: self.env.event() for i, a in enumerate(self.actions) if a.kind is Kind.F} \
@@ -284,9 +294,14 @@ class _StepSimulation:
         self.prefetched: dict[int, simpy.Event] = {}  # B/I index -> its activations are back in HBM
         self.rank_forwards: list[list[int]] = [[] for _ in range(n_ranks)]  # F indices in the order they ran
         self.issuer = prefetch_issuer(schedule, mem.prefetch_lookahead) if self.offloads else {}  # B/I -> node
-        self.issues: dict[int, list[int]] = {}  # node -> the B/I prefetches its start issues, in rank order
-        for b, at in self.issuer.items():
+        if self.stashes:  # W -> the node whose start issues its stash prefetch
+            self.issuer.update(prefetch_issuer(schedule, mem.prefetch_lookahead, STASH_KINDS))
+        self.issues: dict[int, list[int]] = {}  # node -> the B/I and W prefetches its start issues, in rank order
+        for b, at in sorted(self.issuer.items()):
             self.issues.setdefault(at, []).append(b)
+        self.stash_copied = {i: self.env.event() for i, a in enumerate(self.actions) if a.kind is Kind.I} \
+            if self.stashes else {}  # I index -> its stash copy out finished
+        self.rank_splits: list[list[int]] = [[] for _ in range(n_ranks)]  # I indices in the order they ran
         self.copy_end = 0.0
         self.copy_log: list[list] = []  # [rank, stream, what, action index or -1, stage, start, end] at grant
         self.side_chains = side_chains(schedule, mem)  # work that follows an action off the compute stream
@@ -357,6 +372,39 @@ class _StepSimulation:
             self._move_host(rank, stage, -nbytes)
         self.prefetched[b].succeed()
 
+    def _offload_stash(self, i: int, rank: int):
+        """After I: copy the offloadable part of its W stash to DRAM (FIFO with the forwards' copies), then
+        release it from HBM."""
+        stage = self.actions[i].stage
+        nbytes = self.stash_off[stage]
+        with self.d2h[rank].request() as req:
+            yield req
+            entry = self._log(rank, "d2h", "stash-offload", i, stage)
+            if nbytes > 0:
+                yield self.env.timeout(nbytes / self.mem.host_link_bps)
+            entry[-1] = self.env.now
+        if nbytes > 0:
+            self.dram[rank] += nbytes
+            self._allocate(rank, -nbytes, self.env.now, i)
+        self.stash_copied[i].succeed()
+
+    def _prefetch_stash(self, w: int, rank: int):
+        """Before W: wait for its I's stash copy out, then bring the stash back (FIFO), HBM allocated first."""
+        i = self.deps[w][0][0]  # W's one input: its own I
+        stage = self.actions[w].stage
+        nbytes = self.stash_off[stage]
+        yield self.stash_copied[i]
+        with self.h2d[rank].request() as req:
+            yield req
+            entry = self._log(rank, "h2d", "stash-prefetch", w, stage)
+            if nbytes > 0:
+                self._allocate(rank, nbytes, self.env.now, w)
+                yield self.env.timeout(nbytes / self.mem.host_link_bps)
+            entry[-1] = self.env.now
+        if nbytes > 0:
+            self.dram[rank] -= nbytes
+        self.prefetched[w].succeed()
+
     def _fetch_weights(self, use: int, chunk: int, rank: int):
         """Before `use`: bring the chunk's weights back (FIFO on the h2d engine), HBM allocated when it starts."""
         nbytes = self.weight_bytes[chunk]
@@ -386,7 +434,8 @@ class _StepSimulation:
         for b in self.issues.get(i, ()):
             if b not in self.prefetched:
                 self.prefetched[b] = self.env.event()
-                self.env.process(self._prefetch(b, rank))
+                fetch = self._prefetch_stash if self.actions[b].kind is Kind.W else self._prefetch
+                self.env.process(fetch(b, rank))
 
     def _wait(self, event: simpy.Event, rank: int, ready: float):
         """Wait for `event` from time `ready`; what it adds is stall."""
@@ -451,11 +500,14 @@ class _StepSimulation:
             kind = acts[i].kind
             backward = kind in BACKWARD_KINDS
             if copying:
-                forwards = self.rank_forwards[rank]
+                forwards, splits = self.rank_forwards[rank], self.rank_splits[rank]
                 gate = self.copied[forwards[-2]] if offloads and kind is Kind.F and len(forwards) >= 2 else None
-                if offloads and backward and i not in self.prefetched:
+                if self.stashes and kind is Kind.I and len(splits) >= 2:
+                    gate = self.stash_copied[splits[-2]]
+                fetched = i in self.issuer  # a B/I with activation offload, a W with stash offload
+                if fetched and i not in self.prefetched:
                     self._issue_prefetches(rank, self.issuer[i])
-                for event in (gate, self.prefetched.get(i) if backward else None, self.weights_back.get(i)):
+                for event in (gate, self.prefetched.get(i) if fetched else None, self.weights_back.get(i)):
                     if event is not None:
                         yield from self._wait(event, rank, ready)
                         ready = max(ready, env.now)
@@ -488,6 +540,9 @@ class _StepSimulation:
             if offloads and kind is Kind.F:
                 self.rank_forwards[rank].append(i)
                 env.process(self._offload(i, rank))
+            elif self.stashes and kind is Kind.I:
+                self.rank_splits[rank].append(i)
+                env.process(self._offload_stash(i, rank))
             if i in self.side_chains:
                 env.process(self._side_chain(self.side_chains[i], rank))
             if self.costs.p2p_blocking and self.arrive[i] > env.now:  # the sender waits for its send

@@ -41,7 +41,8 @@ from sim.costs import CostTable
 from sim.ir import BACKWARD_KINDS, GRADIENT_KINDS, Action, Kind, Schedule
 from sim.memory_plan import MemoryPlan
 
-CopyItem = tuple[str, "Action | int"]  # ("offload", F) | ("prefetch", B/I) | ("weights", use) | ("step", chunk)
+# ("offload", F) | ("prefetch", B/I) | ("stash-offload", I) | ("stash-prefetch", W) | ("weights", use) | ("step", chunk)
+CopyItem = tuple[str, "Action | int"]
 CopyOrder = dict[tuple[int, str], list[CopyItem]]  # (rank, "d2h" | "h2d") -> items in grant order
 
 
@@ -54,6 +55,8 @@ class NodeKind(IntEnum):
     STEP_HOST = 5  # the host's optimizer work
     STEP_H2D = 6  # updated weights back
     WEIGHT_PREFETCH = 7  # a chunk's bf16 weights back, host -> device, before their next use (weight offload)
+    STASH_OFFLOAD = 8  # an I's W stash (weight GEMMs' inputs and output gradients), device -> host
+    STASH_PREFETCH = 9  # the same bytes back, host -> device, before the W
 
 
 # ---- the rule ----------------------------------------------------------------------------------------------
@@ -128,6 +131,14 @@ class StepStructure:
     def forwards(self, rank: int) -> list[int]:
         """The rank's F nodes in its order (the order its activation copies leave in)."""
         return [i for i in self.rank_nodes(rank) if self.actions[i].kind is Kind.F]
+
+    def splits(self, rank: int) -> list[int]:
+        """The rank's I nodes in its order (the order its W stash copies leave in)."""
+        return [i for i in self.rank_nodes(rank) if self.actions[i].kind is Kind.I]
+
+    def split_of(self, w: int) -> int:
+        """For a W node: its own I (W's one input)."""
+        return self.deps[w][0][0]
 
 
 def step_structure(schedule: Schedule) -> StepStructure:
@@ -332,6 +343,8 @@ def add_copies(g: GraphBuilder, mem: MemoryPlan, copies: CopyOrder) -> None:
         add_activation_copies(g, mem)
     if mem.offloads_weights:
         add_weight_prefetches(g, mem)
+    if mem.offloads_stash:
+        add_stash_copies(g, mem)
     if mem.has_step_copies:
         add_step_copies(g, mem)
     for (_rank, stream), items in copies.items():
@@ -340,6 +353,8 @@ def add_copies(g: GraphBuilder, mem: MemoryPlan, copies: CopyOrder) -> None:
             g.add_edge(u, v)
     if mem.offloads:
         add_offload_gates(g)
+    if mem.offloads_stash:
+        add_stash_gates(g)
     add_issue_edges(g, mem)
 
 
@@ -355,6 +370,20 @@ def add_activation_copies(g: GraphBuilder, mem: MemoryPlan) -> None:
         if a.kind in BACKWARD_KINDS:
             q = g.add_node(NodeKind.PREFETCH, ("prefetch", a), copy_s[a.stage])
             g.add_edge(g.keys[("offload", st.actions[st.forward_of[i]])], q)
+            g.add_edge(q, i)
+
+
+def add_stash_copies(g: GraphBuilder, mem: MemoryPlan) -> None:
+    """A stash offload after every I, a stash prefetch before every W (after that I's stash offload)."""
+    st = g.structure
+    copy_s = mem.stash_offload_bytes / mem.host_link_bps  # per chunk
+    for i, a in enumerate(st.actions):
+        if a.kind is Kind.I:
+            g.add_edge(i, g.add_node(NodeKind.STASH_OFFLOAD, ("stash-offload", a), copy_s[a.stage]))
+    for i, a in enumerate(st.actions):
+        if a.kind is Kind.W:
+            q = g.add_node(NodeKind.STASH_PREFETCH, ("stash-prefetch", a), copy_s[a.stage])
+            g.add_edge(g.keys[("stash-offload", st.actions[st.split_of(i)])], q)
             g.add_edge(q, i)
 
 
@@ -397,17 +426,25 @@ def add_step_copies(g: GraphBuilder, mem: MemoryPlan) -> None:
         g.sinks.append(prev)
 
 
-def prefetch_issuer(schedule: Schedule, lookahead: int) -> dict[int, int]:
-    """B/I node -> the node whose start issues its prefetch: the action `lookahead` places before it on its
-    rank (the first action for the first few)."""
+def prefetch_issuer(schedule: Schedule, lookahead: int, kinds: tuple[Kind, ...] = BACKWARD_KINDS) -> dict[int, int]:
+    """B/I node (W node with `kinds` (Kind.W,): its W stash) -> the node whose start issues its prefetch: the
+    action `lookahead` places before it on its rank (the first action for the first few)."""
     st = step_structure(schedule)
     issuer = {}
     for r in range(schedule.num_ranks):
         nodes = st.rank_nodes(r)
         for pos, i in enumerate(nodes):
-            if st.actions[i].kind in BACKWARD_KINDS:
+            if st.actions[i].kind in kinds:
                 issuer[i] = nodes[max(pos - lookahead, 0)]
     return issuer
+
+
+STASH_KINDS = (Kind.W,)  # what a W stash prefetch precedes (prefetch_issuer's `kinds`)
+
+
+def splits_backward(schedule: Schedule) -> bool:
+    """Whether the schedule splits some backward into I and W, i.e. holds a W stash at all."""
+    return any(a.kind is Kind.I for r in schedule.ranks for a in r)
 
 
 def add_offload_gates(g: GraphBuilder) -> None:
@@ -419,6 +456,15 @@ def add_offload_gates(g: GraphBuilder) -> None:
             g.add_edge(g.keys[("offload", st.actions[forwards[j - 2]])], forwards[j])
 
 
+def add_stash_gates(g: GraphBuilder) -> None:
+    """I_j waits for the stash offload of I_(j-2) (two pinned buffers, as for forwards)."""
+    st = g.structure
+    for r in range(g.schedule.num_ranks):
+        splits = st.splits(r)
+        for j in range(2, len(splits)):
+            g.add_edge(g.keys[("stash-offload", st.actions[splits[j - 2]])], splits[j])
+
+
 def add_issue_edges(g: GraphBuilder, mem: MemoryPlan) -> None:
     """A prefetch (activations or weights) starts no earlier than its issuer starts, i.e. after every in-edge
     of the issuer (added last, so complete)."""
@@ -427,6 +473,9 @@ def add_issue_edges(g: GraphBuilder, mem: MemoryPlan) -> None:
     if mem.offloads:
         pairs += [(ahead, g.keys[("prefetch", st.actions[b])])
                   for b, ahead in prefetch_issuer(g.schedule, mem.prefetch_lookahead).items()]
+    if mem.offloads_stash:
+        pairs += [(ahead, g.keys[("stash-prefetch", st.actions[w])])
+                  for w, ahead in prefetch_issuer(g.schedule, mem.prefetch_lookahead, STASH_KINDS).items()]
     if mem.offloads_weights:
         pairs += [(w.issuer, g.keys[("weights", st.actions[w.next_use])])
                   for w in weight_windows(g.schedule, mem.prefetch_lookahead, mem.weight_offload_bytes > 0)

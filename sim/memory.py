@@ -29,7 +29,7 @@ from sim.config import RECOMPUTE_POLICIES, MemoryConfig, Scenario
 from sim.costs import ChunkDetail, CostTable
 from sim.engine import SimResult, simulate
 from sim.errors import ScenarioError
-from sim.graph import has_windows, starts_away
+from sim.graph import has_windows, splits_backward, starts_away
 from sim.ir import BACKWARD_KINDS, Kind, Schedule
 from sim.memory_plan import MemoryPlan, keep_everything, or_zeros
 
@@ -162,6 +162,8 @@ def build_memory_plan(sc: Scenario, costs: CostTable, schedule: Schedule) -> Mem
             policy=policy,
         ),
     )
+    if splits_backward(schedule) and mem.offload_stash != "auto":  # without a split backward, no stash to move
+        plan = dataclasses.replace(plan, stash_offload_bytes=plan.stash_bytes * mem.offload_stash)
     return with_weight_offload(plan, costs, weight_offload_mask(sc, n), np.full(n, mem.optimizer != "hbm"), schedule)
 
 

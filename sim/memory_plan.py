@@ -34,10 +34,17 @@ class MemoryPlan:
     # per chunk: offloaded weights that are off HBM at the step's end and return for a GPU optimizer's update
     # (sim.memory.with_weight_offload); the engine holds them in HBM during the optimizer step
     step_weight_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # per chunk and microbatch: part of stash_bytes copied to DRAM after I ends and prefetched before W (the W
+    # stash offload; sim/engine.py); 0 keeps the whole stash in HBM from I's end to W's end
+    stash_offload_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def offloads(self) -> bool:
         return bool(self.offload_bytes.any())
+
+    @property
+    def offloads_stash(self) -> bool:
+        return bool(self.stash_offload_bytes.any())
 
     @property
     def offloads_weights(self) -> bool:
@@ -49,9 +56,9 @@ class MemoryPlan:
 
     @property
     def uses_copy_engines(self) -> bool:
-        """Activation or weight offload or the optimizer step's copies: the step's timing depends on the copy
-        engines."""
-        return self.offloads or self.has_step_copies or self.offloads_weights
+        """Activation, W stash or weight offload or the optimizer step's copies: the step's timing depends on
+        the copy engines."""
+        return self.offloads or self.has_step_copies or self.offloads_weights or self.offloads_stash
 
 
 def keep_everything(costs: CostTable) -> MemoryPlan:

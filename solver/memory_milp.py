@@ -9,9 +9,14 @@ f_c forward seconds; A_c the chunk's activation bytes; m microbatches.
                 z_c, t_c, y_r ∈ {0, 1}     chunk recomputes at all / chunk offloads to NVMe / rank offloads states
                 o_c ∈ {0, 1}               chunk offloads its bf16 weights W_c in its idle windows
                                            (memory.offload_weights = "auto"; fixed by "all" or a list)
+                u_c ∈ [0, L_c]             layers' worth of chunk c's W stash (w_c / L_c = σ_c each) that goes
+                                           to DRAM after I and comes back before W (memory.offload_stash =
+                                           "auto"; a share fixes it; 0 without a split backward); continuous:
+                                           a stash is many tensors (two per linear layer and microbatch), so
+                                           any share is a set of them to within one tensor
                 s_i >= 0 start times,  T makespan
     duration    D_i = w_i + f_c k_c for B/I of chunk c, else w_i
-    minimise    T + ε Σ_c (f_c k_c m + x_c m)      (ε = 1e-6: prefer less work on ties; MIP gap 1%)
+    minimise    T + ε Σ_c (f_c k_c m + x_c m + ξ_c m)      (ε = 1e-6: prefer less work on ties; MIP gap 1%)
     subject to  s_v >= s_u + D_u + delay_uv                                  every DAG edge
                 T >= s_i + D_i                                               the last action of every rank
                 k_c + d_c + n_c <= L_c,  k_c <= L_c z_c,  n_c <= L_c t_c,  d_c <= L_c (1 - t_c)
@@ -20,14 +25,19 @@ f_c forward seconds; A_c the chunk's activation bytes; m microbatches.
                 forwards' (copies out may be unfinished)):
                   S_r - y_r H_r + Σ_c [N_kc (A_c - (a_c - q_c) k_c) - (N_kc - R_kc) a_c (d_c + n_c)]
                   + max(ℓ_c, a_c z_c) [k is a B/I of c] - Σ_c o_c W_c [k inside a weight window of c]
-                  + Σ_c S_kc w_c  <=  capacity - margin
+                  + Σ_c [S_kc w_c - (S_kc - SR_kc) σ_c u_c]  <=  capacity - margin
                 (ℓ_c: the loss's working set, last chunk only; freed before the first recomputation starts, so
                 the max, written ℓ_c + max(a_c - ℓ_c, 0) z_c);
                 S_kc: microbatches of c between their I's end and their W's end, each holding its W stash
-                w_c; after the last action, S_r - y_r H_r + the optimizer step's working memory <= the same
-                copies, FIFO per rank and direction, x_c = a_c (d_c / bw_link + n_c / bw_nvme) per microbatch:
-                  e_j >= s_Fj + w_Fj + x_c,  e_j >= e_(j-1) + x_c,  s_F(j+1) >= e_(j-1)   (copy out, bounded)
+                w_c; SR_kc of them resident in full: the current W's, the next `lookahead` W's (prefetched), the
+                last two I's (stash copies out may be unfinished); after the last action, S_r - y_r H_r + the
+                optimizer step's working memory <= the same
+                copies, FIFO per rank and direction, x_c = a_c (d_c / bw_link + n_c / bw_nvme) per microbatch
+                after F, ξ_c = σ_c u_c / bw_link after I; j runs over the rank's F and I in its order:
+                  e_j >= s_j + D_j + x_j,  e_j >= e_(j-1) + x_j                        (copy out, FIFO)
+                  s_F >= e of the F two forwards back,  s_I >= e of the I two I's back  (bounded pinned buffers)
                   p_b >= e_F(b) + x_c,  p_b >= s_(b - lookahead) + x_c,  p_b >= p_(b-1) + x_c,  s_b >= p_b
+                  (and the same for a W's stash prefetch, ξ_c, after its I's copy out e_I(W))
                 weight prefetches in the same h2d chain (sim.graph.weight_windows), ω_c = W_c / bw_link:
                   q_w >= s_issuer(w) + o_c ω_c,  q_w >= (previous h2d copy) + o_c ω_c,  s_use(w) >= q_w
                 T >= s_last(c) + D_last(c) + B_c + y_r C_c + δ_c o_c ω_c   (the optimizer step's copies, chunk c
@@ -36,7 +46,8 @@ f_c forward seconds; A_c the chunk's activation bytes; m microbatches.
                      sim.memory.with_weight_offload's rule with α_c = 1 if c starts the step away
                      (sim.graph.starts_away): δ_c = 1 + α_c with a GPU optimizer (refresh the host copy,
                      bring α-chunks back for the update), δ_c = -α_c with a host optimizer (no weights-back)
-                host: Σ_c N^max_c a_c d_c + y_r H_r <= DRAM,  Σ_c N^max_c a_c n_c <= NVMe
+                host: Σ_c (N^max_c a_c d_c + S^max_c σ_c u_c + o_c W_c) + y_r H_r <= DRAM,
+                      Σ_c N^max_c a_c n_c <= NVMe
 
 With no plan fitting, the same constraints with `capacity` replaced by a variable P and minimise P give the
 smallest HBM that would do. Every plan is re-simulated (sim.engine) and must fit with the simulated time
@@ -54,13 +65,22 @@ import numpy as np
 from sim.config import FreezeConfig, Scenario
 from sim.costs import CostTable, per_rank_sum
 from sim.engine import SimResult, simulate
-from sim.graph import has_windows, prefetch_issuer, starts_away, step_structure, weight_windows
+from sim.graph import (
+    STASH_KINDS,
+    has_windows,
+    prefetch_issuer,
+    splits_backward,
+    starts_away,
+    step_structure,
+    weight_windows,
+)
 from sim.ir import BACKWARD_KINDS, Kind, Schedule
 from sim.memory import (
     HOST_ADAM_BYTES_PER_PARAM,
     MemoryPlan,
     activation_arrays,
     keep_everything,
+    or_zeros,
     weight_offload_mask,
     with_states,
     with_weight_offload,
@@ -96,23 +116,31 @@ class MemoryChoice:
     nvme_layers: np.ndarray  # (chunks,)
     states_on_host: np.ndarray  # (ranks,) bool
     weights_offloaded: np.ndarray | None = None  # (chunks,) bool: bf16 weights off HBM in idle windows
+    stash_layers: np.ndarray | None = None  # (chunks,): layers' worth of W stash (a real) in DRAM between I and W
 
     @property
     def weight_mask(self) -> np.ndarray:
         n = len(self.recompute_layers)
         return np.zeros(n, bool) if self.weights_offloaded is None else np.asarray(self.weights_offloaded, bool)
 
+    @property
+    def stash_offload_layers(self) -> np.ndarray:
+        n = len(self.recompute_layers)
+        return np.zeros(n) if self.stash_layers is None else np.asarray(self.stash_layers, float)
+
     def to_dict(self) -> dict[str, list]:
         return {"recompute_layers": [int(x) for x in self.recompute_layers],
                 "dram_layers": [int(x) for x in self.dram_layers], "nvme_layers": [int(x) for x in self.nvme_layers],
                 "states_on_host": [bool(x) for x in self.states_on_host],
-                "weights_offloaded": [bool(x) for x in self.weight_mask]}
+                "weights_offloaded": [bool(x) for x in self.weight_mask],
+                "stash_layers": [float(x) for x in self.stash_offload_layers]}
 
     @classmethod
     def from_dict(cls, d: dict[str, list]) -> MemoryChoice:
         return cls(np.asarray(d["recompute_layers"], float), np.asarray(d["dram_layers"], float),
                    np.asarray(d["nvme_layers"], float), np.asarray(d["states_on_host"], bool),
-                   np.asarray(d.get("weights_offloaded", [False] * len(d["recompute_layers"])), bool))
+                   np.asarray(d.get("weights_offloaded", [False] * len(d["recompute_layers"])), bool),
+                   np.asarray(d.get("stash_layers", [0] * len(d["recompute_layers"])), float))
 
 
 @dataclass(frozen=True)
@@ -165,6 +193,8 @@ class _Positions:
     max_inflight: np.ndarray  # (C,)
     weights_away: np.ndarray  # (P, C): 1 where the position lies inside a weight window of the chunk
     stashed: np.ndarray  # (P, C): microbatches whose I has ended and whose W has not (each holds a W stash)
+    stash_resident: np.ndarray  # (P, C): of those, the ones whose stash is whole in HBM even when offloaded
+    max_stashed: np.ndarray  # (C,)
 
 
 def _away_positions(schedule: Schedule, lookahead: int) -> list[np.ndarray]:
@@ -185,12 +215,14 @@ def _positions(schedule: Schedule, lookahead: int, weights: bool = False) -> _Po
     plan that may offload weights needs; without them fewer rows are distinct)."""
     n_chunks = schedule.num_stages
     away = _away_positions(schedule, lookahead) if weights else [np.zeros((len(r), n_chunks)) for r in schedule.ranks]
-    rows_rank, rows_n, rows_r, rows_b, rows_w, rows_s = [], [], [], [], [], []
+    rows_rank, rows_n, rows_r, rows_b, rows_w, rows_s, rows_sr = [], [], [], [], [], [], []
     for r, actions in enumerate(schedule.ranks):
         inflight: dict[tuple[int, int], None] = {}
         stashed: dict[tuple[int, int], None] = {}  # the engine holds a stash from I's end to W's end
         recent_f: list[tuple[int, int]] = []
+        recent_i: list[tuple[int, int]] = []
         backwards = [k for k, a in enumerate(actions) if a.kind in BACKWARD_KINDS]
+        weights = [k for k, a in enumerate(actions) if a.kind is Kind.W]
         for k, a in enumerate(actions):
             key = (a.stage, a.microbatch)
             if a.kind is Kind.F:
@@ -215,8 +247,18 @@ def _positions(schedule: Schedule, lookahead: int, weights: bool = False) -> _Po
             for s, _mb in stashed:
                 s_vec[s] += 1
             rows_s.append(s_vec)
+            whole = {key} if key in stashed else set()  # the current W's
+            whole.update(x for x in recent_i[-2:] if x in stashed)  # stash copies out possibly unfinished
+            for kw in weights:
+                if k < kw <= k + lookahead:
+                    whole.add((actions[kw].stage, actions[kw].microbatch))
+            sr_vec = np.zeros(n_chunks)
+            for s, _mb in whole & set(stashed):
+                sr_vec[s] += 1
+            rows_sr.append(sr_vec)
             if a.kind is Kind.I:
                 stashed[key] = None
+                recent_i.append(key)
             elif a.kind is Kind.W:
                 stashed.pop(key, None)
             if a.kind in BACKWARD_KINDS:
@@ -225,13 +267,14 @@ def _positions(schedule: Schedule, lookahead: int, weights: bool = False) -> _Po
                 recent_f.append(key)
     inflight_arr = np.asarray(rows_n)
     # identical rows constrain nothing new
-    away_arr, stash_arr = np.asarray(rows_w), np.asarray(rows_s)
+    away_arr, stash_arr, whole_arr = np.asarray(rows_w), np.asarray(rows_s), np.asarray(rows_sr)
     keys = np.concatenate([np.asarray(rows_rank)[:, None], inflight_arr, np.asarray(rows_r),
-                           np.asarray(rows_b)[:, None], away_arr, stash_arr], axis=1)
+                           np.asarray(rows_b)[:, None], away_arr, stash_arr, whole_arr], axis=1)
     _, keep = np.unique(keys, axis=0, return_index=True)
     keep.sort()
     return _Positions(np.asarray(rows_rank)[keep], inflight_arr[keep], np.asarray(rows_r)[keep],
-                      np.asarray(rows_b)[keep], inflight_arr.max(axis=0), away_arr[keep], stash_arr[keep])
+                      np.asarray(rows_b)[keep], inflight_arr.max(axis=0), away_arr[keep], stash_arr[keep],
+                      whole_arr[keep], stash_arr.max(axis=0))
 
 
 def plan_memory(
@@ -259,7 +302,8 @@ def plan_memory(
         if not fits:
             limit -= float((res.peak_hbm_bytes - base.hbm_limit_bytes).max())
         if res.stall_s is not None and res.makespan_s > t_pred:
-            slowdown = np.where(plan.offload_bytes > 0, slowdown * 2.0, slowdown)
+            copies = (plan.offload_bytes > 0) | (or_zeros(plan.stash_offload_bytes, costs.num_chunks) > 0)
+            slowdown = np.where(copies, slowdown * 2.0, slowdown)
     raise VerificationError(
         f"memory planner: after {ROUNDS} rounds the simulation still disagrees with the MILP "
         f"(simulated {res.makespan_s:.6g} s vs planned {t_pred:.6g} s, peak HBM "
@@ -304,6 +348,7 @@ class _Columns:
     to_nvme: np.ndarray  # t_c
     states_on_host: np.ndarray  # y_r
     weights: np.ndarray  # o_c
+    stash: np.ndarray  # u_c
     start: np.ndarray  # s_i, one per node of the step graph
     makespan: int  # T
     peak: int  # P
@@ -321,6 +366,8 @@ class _Chunks:
     copy_nvme: np.ndarray  # seconds per NVMe-offloaded layer
     weight_bytes: np.ndarray  # W_c, the bf16 weights
     weight_copy: np.ndarray  # ω_c, seconds to bring them back (slowdown included)
+    stash: np.ndarray  # σ_c, W stash bytes per layer and microbatch
+    stash_copy: np.ndarray  # seconds per offloaded stash layer, each way (slowdown included)
 
 
 def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan, lookahead: int,
@@ -330,9 +377,18 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     n_c, n_r = costs.num_chunks, schedule.num_ranks
     dag = build_freeze_dag(schedule, costs, FreezeConfig(cap=0.0))
     weights = d.state_bytes.get("weights", np.zeros(n_c))
-    ch = _Chunks(d.layers.astype(float), d.layer_activation_bytes, d.layer_activation_bytes - d.layer_checkpoint_bytes,
+    layers = d.layers.astype(float)
+    sigma = or_zeros(base.stash_bytes, n_c) / np.maximum(layers, 1)
+    ch = _Chunks(layers, d.layer_activation_bytes, d.layer_activation_bytes - d.layer_checkpoint_bytes,
                  d.layer_forward_s, d.layer_activation_bytes * slowdown / base.host_link_bps,
-                 d.layer_activation_bytes * slowdown / base.nvme_bps, weights, weights * slowdown / base.host_link_bps)
+                 d.layer_activation_bytes * slowdown / base.nvme_bps, weights, weights * slowdown / base.host_link_bps,
+                 sigma, sigma * slowdown / base.host_link_bps)
+    # u_c: memory.offload_stash = "auto" lets the MILP choose, a share fixes it (0: the stash stays in HBM)
+    share = sc.memory.offload_stash
+    u_lo, u_hi = (np.zeros(n_c), layers) if share == "auto" else (layers * share, layers * share)
+    if not (splits_backward(schedule) and sigma.any()):  # no W stash to move at all
+        u_lo, u_hi = np.zeros(n_c), np.zeros(n_c)
+    stash = bool(u_hi.any())
     mode = sc.memory.offload_weights
     fixed = weight_offload_mask(sc, n_c).astype(float)
     w_lo, w_hi = (np.zeros(n_c), np.ones(n_c)) if mode == "auto" else (fixed, fixed)
@@ -344,6 +400,7 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
         lp.add_variables(n_c, 0, 1), lp.add_variables(n_c, 0, 1),
         lp.add_variables(n_r, 0, 1 if allow_state_offload and _host_state_bytes(sc, costs).any() else 0),
         lp.add_variables(n_c, w_lo, w_hi),
+        lp.add_variables(n_c, u_lo, u_hi),
         lp.add_variables(dag.n_nodes, 0, np.inf), lp.add_variables(1, 0, np.inf)[0], lp.add_variables(1, 0, np.inf)[0],
     )
     lp.set_integer(np.concatenate([col.recompute, col.dram, col.nvme, col.recomputes, col.to_nvme,
@@ -351,7 +408,7 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     rows = _Rows()
     _layer_choice_rows(rows, col, ch)
     _precedence_rows(rows, col, ch, dag)
-    _copy_rows(rows, lp, col, ch, dag, lookahead, w_hi.any())
+    _copy_rows(rows, lp, col, ch, dag, lookahead, w_hi.any(), stash)
     _step_copy_rows(rows, col, ch, dag, _step_copy_s(costs, base), _base_step_s(base), sc.memory.optimizer != "hbm",
                     starts_away(schedule, lookahead))
     pos = _positions(schedule, lookahead, bool(w_hi.any()))
@@ -362,9 +419,9 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     m = schedule.num_microbatches
     if limit is not None:
         lp.set_upper_bound(col.peak, max(limit, 0.0))
-        obj_cols = np.concatenate([[col.makespan], col.recompute, col.dram, col.nvme, col.weights])
+        obj_cols = np.concatenate([[col.makespan], col.recompute, col.dram, col.nvme, col.weights, col.stash])
         obj = np.concatenate([[1.0], EPS * m * ch.fwd, EPS * m * ch.copy_dram, EPS * m * ch.copy_nvme,
-                              EPS * m * ch.weight_copy])
+                              EPS * m * ch.weight_copy, EPS * m * ch.stash_copy])
         what = "fitting the step into HBM"
     else:
         obj_cols = np.concatenate([[col.peak], [col.makespan]])
@@ -381,15 +438,25 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
         ) from None
     x = sol.x
     choice = MemoryChoice(np.rint(x[col.recompute]), np.rint(x[col.dram]), np.rint(x[col.nvme]),
-                          np.rint(x[col.states_on_host]).astype(bool), np.rint(x[col.weights]).astype(bool))
+                          np.rint(x[col.states_on_host]).astype(bool), np.rint(x[col.weights]).astype(bool),
+                          _stash_layers(x[col.stash], ch.layers))
     return MilpSolution(choice, float(x[col.makespan]), float(x[col.peak]), sol.wall_s, sol.proven_optimal,
                         sol.mip_gap, sol.dual_bound)
+
+
+STASH_GRAIN = 1e-4  # layers: a continuous stash share is rounded up to this, off the LP's feasibility tolerance
+
+
+def _stash_layers(u: np.ndarray, layers: np.ndarray) -> np.ndarray:
+    """The LP's u_c as a plan: rounded up to STASH_GRAIN (a bound row met within HiGHS' feasibility tolerance
+    then holds exactly: offloading a hair more only lowers HBM), noise below one grain dropped."""
+    return np.minimum(np.where(u < STASH_GRAIN, 0.0, np.ceil(u / STASH_GRAIN) * STASH_GRAIN), layers)
 
 
 def _layer_choice_rows(rows: _Rows, col: _Columns, ch: _Chunks) -> None:
     """k + d + n <= L, k <= L z, n <= L t, d <= L (1 - t): a chunk's NVMe and DRAM layers exclude each other."""
     k, dv, nv, z, tn, layers = col.recompute, col.dram, col.nvme, col.recomputes, col.to_nvme, ch.layers
-    for c in range(len(layers)):
+    for c in range(len(layers)):  # (u_c, the stash's layers, is bounded by L_c alone: its column's bounds)
         rows.add(-np.inf, layers[c], [k[c], dv[c], nv[c]], [1, 1, 1])
         rows.add(-np.inf, 0, [k[c], z[c]], [1, -layers[c]])
         rows.add(-np.inf, 0, [nv[c], tn[c]], [1, -layers[c]])
@@ -416,33 +483,53 @@ def _precedence_rows(rows: _Rows, col: _Columns, ch: _Chunks, dag: FreezeDag) ->
 
 
 def _copy_rows(rows: _Rows, lp: LinearProgram, col: _Columns, ch: _Chunks, dag: FreezeDag, lookahead: int,
-               weights: bool) -> None:
+               weights: bool, stash: bool) -> None:
     """Offload timing with the engine's stream semantics, X_c = a_c (d_c / link + n_c / nvme) per microbatch:
     copies out run FIFO after each forward (e_j), a forward waits for the copy two forwards back, prefetches
     (p_b) run FIFO from the start of their issuer (sim.graph.prefetch_issuer), after the copy out. With
+    `stash`, each I's W stash copy out (ξ_c = σ_c u_c / link) joins the d2h chain in the rank's order, an I
+    waits for the stash copy two I's back, and each W's stash prefetch joins the h2d chain like a B/I's. With
     `weights`, weight prefetches (o_c ω_c each, sim.graph.weight_windows) join the same h2d chain, ahead of
-    the activation prefetches their issuer also issues (the engine's order)."""
+    the activation and stash prefetches their issuer also issues (the engine's order)."""
     st = step_structure(dag.schedule)
     s, w, dv, nv = col.start, dag.w_max, col.dram, col.nvme
     xd, xn = ch.copy_dram, ch.copy_nvme
-    fwd_rank = [st.forwards(r) for r in range(dag.schedule.num_ranks)]
-    e = {i: c for chain in fwd_rank for i, c in zip(chain, lp.add_variables(len(chain), 0, np.inf), strict=True)}
-    for chain in fwd_rank:
+
+    def copy_terms(i: int) -> tuple[list[int], list[float]]:  # the node's copy time: activations or stash
+        c = dag.actions[i].stage
+        if dag.actions[i].kind is Kind.F:
+            return [dv[c], nv[c]], [-xd[c], -xn[c]]
+        return [col.stash[c]], [-ch.stash_copy[c]]
+
+    copied = (Kind.F, Kind.I) if stash else (Kind.F,)
+    d2h_rank = [[i for i in st.rank_nodes(r) if dag.actions[i].kind in copied] for r in range(dag.schedule.num_ranks)]
+    e = {i: c for chain in d2h_rank for i, c in zip(chain, lp.add_variables(len(chain), 0, np.inf), strict=True)}
+    for chain in d2h_rank:
+        seen: dict[Kind, list[int]] = {kind: [] for kind in copied}
         for j, i in enumerate(chain):
-            c = dag.actions[i].stage
-            rows.add(w[i], np.inf, [e[i], s[i], dv[c], nv[c]], [1, -1, -xd[c], -xn[c]])
+            cols, vals = copy_terms(i)
+            end_cols, end_vals = _end_terms(col, ch, dag, i)  # an I's recomputation delays its stash copy
+            rows.add(w[i], np.inf, [e[i], s[i], *end_cols, *cols], [1, -1, *[-x for x in end_vals], *vals])
             if j >= 1:
-                rows.add(0, np.inf, [e[i], e[chain[j - 1]], dv[c], nv[c]], [1, -1, -xd[c], -xn[c]])
-            if j >= 2:
-                rows.add(0, np.inf, [s[i], e[chain[j - 2]]], [1, -1])
+                rows.add(0, np.inf, [e[i], e[chain[j - 1]], *cols], [1, -1, *vals])
+            same = seen[dag.actions[i].kind]
+            if len(same) >= 2:  # bounded pinned buffers: the copy two of the same kind back has ended
+                rows.add(0, np.inf, [s[i], e[same[-2]]], [1, -1])
+            same.append(i)
     h2d = [(ahead, 1, ib, dag.actions[ib].stage) for ib, ahead in prefetch_issuer(dag.schedule, lookahead).items()]
+    if stash:
+        h2d += [(ahead, 1, iw, dag.actions[iw].stage)
+                for iw, ahead in prefetch_issuer(dag.schedule, lookahead, STASH_KINDS).items()]
     if weights:
         h2d += [(w.issuer, 0, w.next_use, w.chunk) for w in weight_windows(dag.schedule, lookahead) if w.next_use >= 0]
     prev: dict[int, int] = {}  # rank -> its previous prefetch's column
-    for ahead, activations, ib, c in sorted(h2d):
+    for ahead, copies, ib, c in sorted(h2d):
         r = st.rank_of[ib]
         pb = lp.add_variables(1, 0, np.inf)[0]
-        if activations:
+        if copies and dag.actions[ib].kind is Kind.W:
+            cols, vals = [col.stash[c]], [-ch.stash_copy[c]]
+            rows.add(0, np.inf, [pb, e[st.split_of(ib)], *cols], [1, -1, *vals])
+        elif copies:
             cols, vals = [dv[c], nv[c]], [-xd[c], -xn[c]]
             rows.add(0, np.inf, [pb, e[st.forward_of[ib]], *cols], [1, -1, *vals])
         else:
@@ -502,6 +589,9 @@ def _hbm_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, base: Me
         for c in np.flatnonzero(pos.weights_away[p]):
             cols.append(col.weights[c])
             vals.append(-ch.weight_bytes[c])
+        for c in np.flatnonzero(pos.stashed[p] - pos.stash_resident[p]):  # stashes whose offloaded part is away
+            cols.append(col.stash[c])
+            vals.append(-(pos.stashed[p][c] - pos.stash_resident[p][c]) * ch.stash[c])
         rows.add(-np.inf, -const, cols, vals)
     if len(base.step_transient_bytes):
         step_r = per_rank_sum(base.step_transient_bytes, s2r, n_r)
@@ -517,8 +607,9 @@ def _host_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, costs: 
     for r in range(n_r):
         chunks_r = np.flatnonzero(s2r == r)
         per = pos.max_inflight[chunks_r] * ch.act[chunks_r]
-        rows.add(-np.inf, costs.detail.dram_bytes, [*col.dram[chunks_r], col.states_on_host[r], *col.weights[chunks_r]],
-                 [*per, hs_r[r], *ch.weight_bytes[chunks_r]])
+        rows.add(-np.inf, costs.detail.dram_bytes, [*col.dram[chunks_r], col.states_on_host[r], *col.weights[chunks_r],
+                                                    *col.stash[chunks_r]],
+                 [*per, hs_r[r], *ch.weight_bytes[chunks_r], *(pos.max_stashed[chunks_r] * ch.stash[chunks_r])])
         rows.add(-np.inf, costs.detail.nvme_bytes, [*col.nvme[chunks_r]], [*per])
 
 
@@ -561,8 +652,10 @@ def plan_from_choice(sc: Scenario, costs: CostTable, schedule: Schedule, base: M
     params = costs.params if costs.params is not None else np.zeros(costs.num_chunks)
     parts = d.state_bytes
     zero = np.zeros(costs.num_chunks)
+    stash_layers = choice.stash_offload_layers
     policy = tuple(
         f"recompute {int(k[c])}/{int(d.layers[c])}, dram {int(dram[c])}, nvme {int(nvme[c])}"
+        + (f", stash {stash_layers[c]:.2f}" if stash_layers[c] else "")
         + (", states on host" if chunk_states[c] else "")
         for c in range(costs.num_chunks)
     )
@@ -585,6 +678,9 @@ def plan_from_choice(sc: Scenario, costs: CostTable, schedule: Schedule, base: M
         nvme_bps=base.nvme_bps,
         stash_bytes=base.stash_bytes,  # a split backward's W stash and the optimizer step's working memory:
         step_transient_bytes=base.step_transient_bytes,  # the engine holds them under every plan
+        # the offloaded layers' share of the stash (MilpSolution's u_c; none without a split backward)
+        stash_offload_bytes=(or_zeros(base.stash_bytes, costs.num_chunks) * stash_layers / np.maximum(d.layers, 1)
+                             if splits_backward(schedule) else np.zeros(costs.num_chunks)),
     )
     host_optimizer = chunk_states | (sc.memory.optimizer != "hbm")
     return with_weight_offload(plan, costs, choice.weight_mask, host_optimizer, schedule)

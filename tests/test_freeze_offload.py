@@ -13,6 +13,7 @@ from scenarios import scenario_path
 from sim.config import load_scenario
 from sim.costs import build_cost_table
 from sim.engine import simulate
+from sim.graph import splits_backward
 from sim.memory import build_memory_plan
 from sim.step import resolve_schedule
 from solver.freeze_dag import build_freeze_dag, copy_order
@@ -29,6 +30,9 @@ MEMORY_CASES = {
     "both-recompute": {"memory.offload_activations": 0.3, "memory.recompute": "chronos", **STATES_OFF},
     "weights": {"memory.offload_weights": "all"},
     "weights-activations-states": {"memory.offload_weights": "all", "memory.offload_activations": 0.5, **STATES_OFF},
+    "stash": {"memory.offload_stash": 0.5},
+    "stash-activations-lookahead-1": {"memory.offload_stash": 1.0, "memory.offload_activations": 0.5,
+                                      "memory.prefetch_lookahead": 1},
 }
 SCHEDULES = {"1f1b": 1, "gpipe": 1, "interleaved-1f1b": 2, "zb-h1": 1, "zbv": 2, "chronos": 2}
 
@@ -52,6 +56,8 @@ def test_copy_nodes_reproduce_the_engine(name, case):
         # one chunk per rank, used back to back from the step's first action: no window, nothing leaves
         # (sim.graph.weight_windows), so there is no copy to reproduce
         assert not memory.uses_copy_engines and dag.copy_nodes == 0
+    elif case == "stash" and not splits_backward(schedule):
+        assert not memory.uses_copy_engines and dag.copy_nodes == 0  # no split backward, no W stash to move
     else:
         assert dag.copy_nodes > 0
     asap = dag.earliest_starts(dag.w_max)
@@ -63,6 +69,8 @@ def test_copy_nodes_reproduce_the_engine(name, case):
     assert float((start + dag.w_max)[dag.sinks].max()) == pytest.approx(result.makespan_s, rel=1e-12)
     if case == "activations-nvme-lookahead-1":
         assert result.stall_s.sum() > 0  # the copies really shape the step
+    if case.startswith("stash") and dag.copy_nodes:
+        assert any(c.what == "stash-prefetch" for c in result.copies) == (name in ("zb-h1", "zbv", "chronos"))
 
 
 def test_copy_dag_needs_the_order():

@@ -1,0 +1,150 @@
+"""W stash offload: a split backward's stash (the weight GEMMs' inputs and output gradients, held from I's end
+to W's end) copied to host after I and prefetched before W, in the engine (hand-computed timelines), in the
+memory MILP (its plans re-simulate to what it predicted, and it lowers the HBM floor), and refused by the
+runtime, which keeps the stash on the device."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from analysis.cli import main
+from scenarios import scenario_path
+from sim.config import load_scenario
+from sim.costs import build_cost_table
+from sim.engine import simulate
+from sim.ir import Action, Schedule
+from sim.memory import build_memory_plan
+from sim.memory_plan import keep_everything
+from sim.step import resolve_schedule
+
+UNIT = scenario_path("explicit-unit")
+SEVENTY = scenario_path("llama2-70b-48l-pp8-tp8-a100")
+
+
+def one_rank(order: str, microbatches: int) -> tuple:
+    """Unit costs (F = I = W = 1 s, 1 byte of activations per microbatch) on one rank running `order`."""
+    costs = build_cost_table(load_scenario(UNIT, {"pipeline.stages": 1, "pipeline.microbatches": microbatches}))
+    return Schedule("hand", 1, microbatches, (tuple(Action.parse(x) for x in order.split()),), (0,)), costs
+
+
+def stash_plan(costs, offloaded: float, lookahead: int, link_bps: float):
+    """A 4-byte stash per microbatch, `offloaded` bytes of it moved over a `link_bps` host link."""
+    return dataclasses.replace(keep_everything(costs), stash_bytes=np.array([4.0]),
+                               stash_offload_bytes=np.array([offloaded]), host_link_bps=link_bps,
+                               prefetch_lookahead=lookahead)
+
+
+def copies(res) -> list[tuple[str, str, str, float, float]]:
+    return [(c.stream, c.what, str(c.action), c.start_s, c.end_s) for c in res.copies]
+
+
+def hbm(res) -> list[tuple[float, float]]:
+    return [(t, h) for _r, t, h, *_ in res.memory]
+
+
+def test_stash_offload_timeline_when_the_copy_is_slower_than_compute():
+    """F0 F1 I0 I1 W0 W1, half of a 4-byte stash over 1 byte/s (2 s a copy), prefetch issued one action ahead.
+    I0 ends at 3, its copy runs 3-5; I1's queues behind it (5-7). W0's prefetch, issued when I1 starts (3),
+    waits for I0's copy and runs 5-7: W0 waits from 4 to 7. W1's, issued when W0 starts (7), runs 7-9."""
+    sched, costs = one_rank("0F0 0F1 0I0 0I1 0W0 0W1", 2)
+    res = simulate(sched, costs, memory=stash_plan(costs, 2.0, 1, 1.0))
+    assert copies(res) == [("d2h", "stash-offload", "0I0", 3.0, 5.0), ("d2h", "stash-offload", "0I1", 5.0, 7.0),
+                           ("h2d", "stash-prefetch", "0W0", 5.0, 7.0), ("h2d", "stash-prefetch", "0W1", 7.0, 9.0)]
+    assert list(res.start_s) == [0.0, 1.0, 2.0, 3.0, 7.0, 9.0]
+    assert res.makespan_s == 10.0 and res.stall_s[0] == 3.0 + 1.0
+    # activations 1 per F; at I's end +4 (stash) -1 (activations); offloaded halves leave at copy end, come back
+    # at prefetch start; W frees the whole stash
+    assert hbm(res) == [(0.0, 0.0), (0.0, 1.0), (1.0, 2.0), (3.0, 5.0), (4.0, 8.0), (5.0, 6.0), (5.0, 8.0),
+                        (7.0, 6.0), (7.0, 8.0), (8.0, 4.0), (10.0, 0.0)]
+    assert res.peak_dram_bytes[0] == 4.0  # both halves away between 5 and 7 (I1's out before W0's is back)
+
+
+def test_stash_offload_lowers_the_peak_and_costs_its_exposed_copies():
+    """F0 I0 F1 I1 F2 I2 W0 W1 W2, half of the stash over 4 bytes/s (0.5 s), prefetched at W's own start.
+    Kept whole, the three stashes peak at 12 when I2 ends (6). Offloaded: I0's and I1's halves are away by
+    then (copies 2-2.5 and 4-4.5), so I2's end reaches 2 + 2 + 4 = 8, and W0's prefetch (+2) 10; each W waits
+    0.5 s for its prefetch: 9 s -> 10.5 s."""
+    sched, costs = one_rank("0F0 0I0 0F1 0I1 0F2 0I2 0W0 0W1 0W2", 3)
+    kept = simulate(sched, costs, memory=stash_plan(costs, 0.0, 0, 4.0))
+    assert kept.makespan_s == 9.0 and kept.peak_hbm_bytes[0] == 12.0 and not kept.copies
+    res = simulate(sched, costs, memory=stash_plan(costs, 2.0, 0, 4.0))
+    assert copies(res) == [("d2h", "stash-offload", "0I0", 2.0, 2.5), ("d2h", "stash-offload", "0I1", 4.0, 4.5),
+                           ("d2h", "stash-offload", "0I2", 6.0, 6.5), ("h2d", "stash-prefetch", "0W0", 6.0, 6.5),
+                           ("h2d", "stash-prefetch", "0W1", 7.5, 8.0), ("h2d", "stash-prefetch", "0W2", 9.0, 9.5)]
+    assert res.makespan_s == 10.5 and res.stall_s[0] == 1.5
+    assert res.peak_hbm_bytes[0] == 10.0
+    assert res.peak_dram_bytes[0] == 6.0  # at 6.5 I2's half arrives before W0's leaves the host
+    assert res.memory[-1][2] == 0.0 and res.memory[-1][5] == 0.0  # nothing left anywhere at the end
+
+
+def test_a_third_split_waits_for_the_stash_copy_two_back():
+    """Two pinned stash buffers: I2 may not start before I0's copy ends (the forwards' rule, for I)."""
+    sched, costs = one_rank("0F0 0F1 0F2 0I0 0I1 0I2 0W0 0W1 0W2", 3)
+    res = simulate(sched, costs, memory=stash_plan(costs, 4.0, 2, 1.0))  # 4 s a copy: I0's runs 4-8
+    assert res.start_s[5] == 8.0  # I2, ready at 5
+
+
+def test_scenario_share_moves_only_a_split_backwards_stash():
+    for name, v in (("zbv", 2), ("1f1b", 1)):
+        sc = load_scenario(SEVENTY, {"pipeline.schedule": name, "pipeline.virtual_stages": v, "model.layers": 16,
+                                     "memory.offload_stash": 0.5})
+        costs, sched = build_cost_table(sc), resolve_schedule(sc)
+        plan = build_memory_plan(sc, costs, sched)
+        if name == "1f1b":  # no I, no W: nothing to move
+            assert not plan.offloads_stash
+            continue
+        np.testing.assert_allclose(plan.stash_offload_bytes, 0.5 * plan.stash_bytes)
+        res = simulate(sched, costs, memory=plan)
+        n_split = sum(a.kind.value == "I" for r in sched.ranks for a in r)
+        assert sum(c.what == "stash-offload" for c in res.copies) == n_split
+        assert sum(c.what == "stash-prefetch" for c in res.copies) == n_split
+        whole = simulate(sched, costs, memory=dataclasses.replace(plan, stash_offload_bytes=np.zeros(sched.num_stages)))
+        assert res.peak_dram_bytes.max() > whole.peak_dram_bytes.max()  # stash halves sit on the host
+        assert res.makespan_s >= whole.makespan_s  # copies never shorten a step
+
+
+SMALL = {"pipeline.stages": 4, "pipeline.microbatches": 8, "model.layers": 16, "pipeline.schedule": "zbv",
+         "pipeline.virtual_stages": 2, "memory.prefetch_lookahead": 1, "memory.plan": True,
+         "memory.offload_stash": "auto"}
+
+
+def test_planner_offloads_the_stash_where_nothing_else_fits_and_predicts_the_step():
+    """The HBM floor with the stash movable ("auto") lies below the floor without; between them the planner's plan
+    offloads some stash, fits, and its re-simulated step is the MILP's prediction (within the planner's 2%)."""
+    from solver.memory_milp import MemoryInfeasibleError, plan_memory, smallest_hbm_bytes
+
+    sc = load_scenario(SEVENTY, SMALL)
+    costs, sched = build_cost_table(sc), resolve_schedule(sc)
+    with_stash = smallest_hbm_bytes(sc, costs, sched).bytes
+    kept = load_scenario(SEVENTY, {**SMALL, "memory.offload_stash": 0.0})  # the stash stays in HBM
+    without = smallest_hbm_bytes(kept, costs, sched).bytes
+    assert with_stash < without * 0.99
+    limit = (with_stash + without) / 2
+    over = {**SMALL, "device.hbm_gib": limit / 2**30 + sc.memory.hbm_margin_gib}
+    sc = load_scenario(SEVENTY, over)
+    costs = build_cost_table(sc)
+    planned = plan_memory(sc, costs, sched)
+    assert planned.choice.stash_offload_layers.any()
+    assert planned.plan.offloads_stash
+    res = simulate(sched, costs, memory=planned.plan)  # the plan, run again from scratch
+    assert res.makespan_s == pytest.approx(planned.predicted_makespan_s, rel=0.02)
+    assert res.peak_hbm_bytes.max() <= planned.plan.hbm_limit_bytes * (1 + 1e-9)
+    assert any(c.what == "stash-offload" and c.end_s > c.start_s for c in res.copies)
+    with pytest.raises(MemoryInfeasibleError):
+        plan_memory(load_scenario(SEVENTY, {**over, "memory.offload_stash": 0.0}), costs, sched)
+
+
+def test_runtime_refuses_a_stash_offload_in_one_line(tmp_path, capsys, monkeypatch):
+    import runtime.launch
+
+    monkeypatch.setattr(runtime.launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
+    text = scenario_path("tiny-cpu").read_text().replace('schedule = "1f1b"', 'schedule = "zbv"').replace(
+        "virtual_stages = 1", "virtual_stages = 2").replace("[memory]\n", "[memory]\noffload_stash = 0.5\n")
+    path = tmp_path / "stash.toml"
+    path.write_text(text)
+    assert main(["run", str(path), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "memory.offload_stash: the runtime does not offload the W stash" in err
