@@ -40,6 +40,7 @@ class Policy:
     virtual_stages: int
     overrides: dict[str, Any] = field(default_factory=dict)
     joint: bool = False  # v and the admission cap chosen per depth (chronos_variants), the fastest that fits
+    by_default: bool = True  # run when --policies is not given (opt-in ones take much longer)
 
     @property
     def planner(self) -> bool:
@@ -66,10 +67,16 @@ POLICIES: dict[str, Policy] = _by_name(
         Policy("v-half", "v-half", 2),
         Policy("chronos", "chronos", 2, joint=True),
         Policy("chronos+recomp", "chronos", 2, {"memory.recompute": "chronos"}, joint=True),
-        Policy("chronos+recomp+offload", "chronos", 2, {"memory.plan": True, "memory.offload_weights": "auto",
-                                                        "memory.offload_stash": "auto"}, joint=True),
+        Policy("chronos+recomp+offload", "chronos", 2, {"memory.plan": True, "memory.offload_weights": "auto"},
+               joint=True),
+        # + the W stash moved by the MILP in the stash-bounded orders: 30-70 s per MILP at deep depths on the
+        # shipped 70B setting (a --frontier run 45+ min against 5), so only on request (docs/memory.md)
+        Policy("chronos+recomp+offload+stash", "chronos", 2, {"memory.plan": True, "memory.offload_weights": "auto",
+                                                              "memory.offload_stash": "auto"}, joint=True,
+               by_default=False),
     ]
 )
+DEFAULT_POLICIES = tuple(name for name, p in POLICIES.items() if p.by_default)
 
 
 @dataclass(frozen=True)

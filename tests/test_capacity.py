@@ -146,3 +146,19 @@ def test_a_timed_out_milp_is_reported_not_counted_as_no_fit(monkeypatch):
     assert row["max_layers"] <= cut < plain["max_layers"]
     assert row["note"].startswith("max_layers is a lower bound: the MILP timed out at")
     assert plain["note"] == ""
+
+
+def test_the_stash_moving_policy_is_opt_in_and_plans_where_the_default_planner_does():
+    """`chronos+recomp+offload+stash` runs only when named (its MILPs take tens of seconds at deep depths), and
+    on a small case it fits wherever `chronos+recomp+offload` does, at a speed within the MILP's 1% gap of it
+    or better (its plan space holds the other's)."""
+    from analysis.capacity import DEFAULT_POLICIES, POLICIES, PolicyDepths
+
+    stash = POLICIES["chronos+recomp+offload+stash"]
+    assert stash.name not in DEFAULT_POLICIES and "chronos+recomp+offload" in DEFAULT_POLICIES
+    assert stash.overrides["memory.offload_stash"] == "auto"
+    small = {"pipeline.stages": 4, "pipeline.microbatches": 8}
+    plain = PolicyDepths(SEVENTY, small, POLICIES["chronos+recomp+offload"], 4, {})(32)
+    moved = PolicyDepths(SEVENTY, small, stash, 4, {})(32)
+    assert plain.fits and moved.fits
+    assert moved.result.tokens_per_s >= plain.result.tokens_per_s * (1 - 1e-2)

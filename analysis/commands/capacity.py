@@ -13,13 +13,14 @@ from analysis.commands.simulate import add_scenario_argument, add_set_argument, 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from analysis.capacity import POLICIES
+    from analysis.capacity import DEFAULT_POLICIES, POLICIES
     from analysis.outputs import add_force_argument
 
     add_scenario_argument(parser)
     add_set_argument(parser)
-    parser.add_argument("--policies", default=",".join(POLICIES),
-                        help="comma-separated policies (default: all): " + ", ".join(POLICIES))
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                        help="comma-separated policies (default: all but "
+                        + ", ".join(sorted(set(POLICIES) - set(DEFAULT_POLICIES))) + "): " + ", ".join(POLICIES))
     parser.add_argument("--target-ratio", type=float, default=2.4,
                         help="also test each policy at this multiple of plain 1F1B's max depth (default: 2.4)")
     parser.add_argument("--frontier", action="store_true",
