@@ -67,40 +67,28 @@ def _inline(fn):
     return _jit(fn, inline="always")
 
 
+def _prefetch_codegen(context, builder, signature, args):
+    """Emit LLVM's llvm.prefetch (read, high locality, data cache) for the element args[1:] of array args[0]."""
+    array = context.make_array(signature.args[0])(context, builder, args[0])
+    ptr = cgutils.get_item_pointer(context, builder, signature.args[0], array, list(args[1:]))
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
+    )
+    builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+    return context.get_dummy_value()
+
+
 @intrinsic
 def _prefetch(typingctx, arr, idx):
-    """Hint the CPU to fetch the cache line of arr[idx] (1-D; LLVM's llvm.prefetch: read, high locality)."""
-    sig = types.void(arr, types.intp)
-
-    def codegen(context, builder, signature, args):
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, signature.args[0], array, [args[1]])
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
-        )
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
+    """Hint the CPU to fetch the cache line of arr[idx] (1-D)."""
+    return types.void(arr, types.intp), _prefetch_codegen
 
 
 @intrinsic
 def _prefetch_at(typingctx, arr, row, idx):
     """_prefetch for arr[row, idx] of a 2-D array (no view of the row is made)."""
-    sig = types.void(arr, types.intp, types.intp)
-
-    def codegen(context, builder, signature, args):
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, signature.args[0], array, [args[1], args[2]])
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
-        )
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
+    return types.void(arr, types.intp, types.intp), _prefetch_codegen
 
 
 @_inline

@@ -210,6 +210,20 @@ def _away_positions(schedule: Schedule, lookahead: int) -> list[np.ndarray]:
     return away
 
 
+def _whole_per_chunk(held: dict, key: tuple[int, int], recent: list, users: list[int], actions: list, k: int,
+                     lookahead: int, n_chunks: int) -> np.ndarray:
+    """Per chunk, how many of the `held` (activations or W stashes) are whole in HBM at position k even when
+    offloaded: the current action's, the last two copied out (possibly unfinished), and those whose user (a
+    position in `users`) lies within `lookahead` actions, already prefetched."""
+    whole = {key} if key in held else set()
+    whole.update(x for x in recent[-2:] if x in held)
+    whole.update((actions[j].stage, actions[j].microbatch) for j in users if k < j <= k + lookahead)
+    vec = np.zeros(n_chunks)
+    for s, _mb in whole & set(held):
+        vec[s] += 1
+    return vec
+
+
 def _positions(schedule: Schedule, lookahead: int, weights: bool = False) -> _Positions:
     """The distinct memory states of every rank (`weights`: with the weight windows' positions, which only a
     plan that may offload weights needs; without them fewer rows are distinct)."""
@@ -230,14 +244,7 @@ def _positions(schedule: Schedule, lookahead: int, weights: bool = False) -> _Po
             n_vec = np.zeros(n_chunks)
             for s, _mb in inflight:
                 n_vec[s] += 1
-            resident = {key} if key in inflight else set()
-            resident.update(x for x in recent_f[-2:] if x in inflight)  # copies out possibly unfinished
-            for kb in backwards:
-                if k < kb <= k + lookahead:
-                    resident.add((actions[kb].stage, actions[kb].microbatch))
-            r_vec = np.zeros(n_chunks)
-            for s, _mb in resident & set(inflight):
-                r_vec[s] += 1
+            r_vec = _whole_per_chunk(inflight, key, recent_f, backwards, actions, k, lookahead, n_chunks)
             rows_rank.append(r)
             rows_n.append(n_vec)
             rows_r.append(r_vec)
@@ -247,15 +254,7 @@ def _positions(schedule: Schedule, lookahead: int, weights: bool = False) -> _Po
             for s, _mb in stashed:
                 s_vec[s] += 1
             rows_s.append(s_vec)
-            whole = {key} if key in stashed else set()  # the current W's
-            whole.update(x for x in recent_i[-2:] if x in stashed)  # stash copies out possibly unfinished
-            for kw in weights:
-                if k < kw <= k + lookahead:
-                    whole.add((actions[kw].stage, actions[kw].microbatch))
-            sr_vec = np.zeros(n_chunks)
-            for s, _mb in whole & set(stashed):
-                sr_vec[s] += 1
-            rows_sr.append(sr_vec)
+            rows_sr.append(_whole_per_chunk(stashed, key, recent_i, weights, actions, k, lookahead, n_chunks))
             if a.kind is Kind.I:
                 stashed[key] = None
                 recent_i.append(key)
