@@ -447,22 +447,23 @@ def splits_backward(schedule: Schedule) -> bool:
     return any(a.kind is Kind.I for r in schedule.ranks for a in r)
 
 
-def add_offload_gates(g: GraphBuilder) -> None:
-    """F_j waits for the offload of F_(j-2) (two pinned buffers)."""
+def _two_buffer_gates(g: GraphBuilder, nodes_of_rank, copy: str) -> None:
+    """The j-th of a rank's `nodes_of_rank` waits for the `copy` out of its (j-2)-th (two pinned buffers)."""
     st = g.structure
     for r in range(g.schedule.num_ranks):
-        forwards = st.forwards(r)
-        for j in range(2, len(forwards)):
-            g.add_edge(g.keys[("offload", st.actions[forwards[j - 2]])], forwards[j])
+        nodes = nodes_of_rank(r)
+        for j in range(2, len(nodes)):
+            g.add_edge(g.keys[(copy, st.actions[nodes[j - 2]])], nodes[j])
+
+
+def add_offload_gates(g: GraphBuilder) -> None:
+    """F_j waits for the offload of F_(j-2) (two pinned buffers)."""
+    _two_buffer_gates(g, g.structure.forwards, "offload")
 
 
 def add_stash_gates(g: GraphBuilder) -> None:
     """I_j waits for the stash offload of I_(j-2) (two pinned buffers, as for forwards)."""
-    st = g.structure
-    for r in range(g.schedule.num_ranks):
-        splits = st.splits(r)
-        for j in range(2, len(splits)):
-            g.add_edge(g.keys[("stash-offload", st.actions[splits[j - 2]])], splits[j])
+    _two_buffer_gates(g, g.structure.splits, "stash-offload")
 
 
 def add_issue_edges(g: GraphBuilder, mem: MemoryPlan) -> None:
