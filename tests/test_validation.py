@@ -222,7 +222,7 @@ def test_memory_meets_the_mean_target_and_only_405b_1f1b_misses_the_max(predicti
     assert over == ["405B 1F1B memory"]
 
 
-@pytest.mark.xfail(strict=False, reason=(
+@pytest.mark.xfail(strict=True, reason=(
     "ratio mean 3.03% > 3%: torchtitan 5.0% (405B memory ratio +17%), the Narayanan trend -13.5%; Zero Bubble "
     "2.8% and Korthikanti 2.2% meet it; docs/validation.md"))
 def test_ratios_between_settings_meet_the_target(predictions):
