@@ -340,70 +340,67 @@ class _StepSimulation:
     def _copy_s(self, stage: int, nbytes: float) -> float:
         return nbytes / (self.mem.nvme_bps if self.mem.offload_nvme[stage] else self.mem.host_link_bps)
 
+    def _copy_out(self, i: int, rank: int, label: str, nbytes: float, seconds: float, to_host, done):
+        """After action i: copy `nbytes` to host on the d2h engine (FIFO), then `to_host(nbytes)` and release
+        them from HBM; `done` fires either way."""
+        with self.d2h[rank].request() as req:
+            yield req
+            entry = self._log(rank, "d2h", label, i, self.actions[i].stage)
+            if nbytes > 0:
+                yield self.env.timeout(seconds)
+            entry[-1] = self.env.now
+        if nbytes > 0:
+            to_host(nbytes)
+            self._allocate(rank, -nbytes, self.env.now, i)
+        done.succeed()
+
+    def _copy_in(self, user: int, owner: int, rank: int, label: str, nbytes: float, seconds: float, after,
+                 to_host, done):
+        """Before action `user`: wait for `after` (the copy out), then bring `nbytes` back on the h2d engine
+        (FIFO), HBM allocated (to `owner`) when the copy starts; `to_host(-nbytes)` once it ends."""
+        yield after
+        with self.h2d[rank].request() as req:
+            yield req
+            entry = self._log(rank, "h2d", label, user, self.actions[user].stage)
+            if nbytes > 0:
+                self._allocate(rank, nbytes, self.env.now, owner)
+                yield self.env.timeout(seconds)
+            entry[-1] = self.env.now
+        if nbytes > 0:
+            to_host(-nbytes)
+        done.succeed()
+
     def _offload(self, f: int, rank: int):
         """After F: copy the offloadable part of its activations to host (FIFO), then release it from HBM."""
         stage = self.actions[f].stage
         nbytes = float(self.mem.offload_bytes[stage])
-        with self.d2h[rank].request() as req:
-            yield req
-            entry = self._log(rank, "d2h", "offload", f, stage)
-            if nbytes > 0:
-                yield self.env.timeout(self._copy_s(stage, nbytes))
-            entry[-1] = self.env.now
-        if nbytes > 0:
-            self._move_host(rank, stage, nbytes)
-            self._allocate(rank, -nbytes, self.env.now, f)
-        self.copied[f].succeed()
+        yield from self._copy_out(f, rank, "offload", nbytes, self._copy_s(stage, nbytes),
+                                  lambda d: self._move_host(rank, stage, d), self.copied[f])
 
     def _prefetch(self, b: int, rank: int):
         """Before B/I: wait for the copy out, then bring the activations back (FIFO), HBM allocated first."""
         f = self.forward_of[b]
         stage = self.actions[f].stage
         nbytes = float(self.mem.offload_bytes[stage])
-        yield self.copied[f]
-        with self.h2d[rank].request() as req:
-            yield req
-            entry = self._log(rank, "h2d", "prefetch", b, stage)
-            if nbytes > 0:
-                self._allocate(rank, nbytes, self.env.now, f)
-                yield self.env.timeout(self._copy_s(stage, nbytes))
-            entry[-1] = self.env.now
-        if nbytes > 0:
-            self._move_host(rank, stage, -nbytes)
-        self.prefetched[b].succeed()
+        yield from self._copy_in(b, f, rank, "prefetch", nbytes, self._copy_s(stage, nbytes), self.copied[f],
+                                 lambda d: self._move_host(rank, stage, d), self.prefetched[b])
+
+    def _dram(self, rank: int, delta: float) -> None:
+        self.dram[rank] += delta
 
     def _offload_stash(self, i: int, rank: int):
         """After I: copy the offloadable part of its W stash to DRAM (FIFO with the forwards' copies), then
         release it from HBM."""
-        stage = self.actions[i].stage
-        nbytes = self.stash_off[stage]
-        with self.d2h[rank].request() as req:
-            yield req
-            entry = self._log(rank, "d2h", "stash-offload", i, stage)
-            if nbytes > 0:
-                yield self.env.timeout(nbytes / self.mem.host_link_bps)
-            entry[-1] = self.env.now
-        if nbytes > 0:
-            self.dram[rank] += nbytes
-            self._allocate(rank, -nbytes, self.env.now, i)
-        self.stash_copied[i].succeed()
+        nbytes = self.stash_off[self.actions[i].stage]
+        yield from self._copy_out(i, rank, "stash-offload", nbytes, nbytes / self.mem.host_link_bps,
+                                  lambda d: self._dram(rank, d), self.stash_copied[i])
 
     def _prefetch_stash(self, w: int, rank: int):
         """Before W: wait for its I's stash copy out, then bring the stash back (FIFO), HBM allocated first."""
         i = self.deps[w][0][0]  # W's one input: its own I
-        stage = self.actions[w].stage
-        nbytes = self.stash_off[stage]
-        yield self.stash_copied[i]
-        with self.h2d[rank].request() as req:
-            yield req
-            entry = self._log(rank, "h2d", "stash-prefetch", w, stage)
-            if nbytes > 0:
-                self._allocate(rank, nbytes, self.env.now, w)
-                yield self.env.timeout(nbytes / self.mem.host_link_bps)
-            entry[-1] = self.env.now
-        if nbytes > 0:
-            self.dram[rank] -= nbytes
-        self.prefetched[w].succeed()
+        nbytes = self.stash_off[self.actions[w].stage]
+        yield from self._copy_in(w, w, rank, "stash-prefetch", nbytes, nbytes / self.mem.host_link_bps,
+                                 self.stash_copied[i], lambda d: self._dram(rank, d), self.prefetched[w])
 
     def _fetch_weights(self, use: int, chunk: int, rank: int):
         """Before `use`: bring the chunk's weights back (FIFO on the h2d engine), HBM allocated when it starts."""
