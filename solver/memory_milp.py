@@ -393,11 +393,12 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     w_lo, w_hi = (np.zeros(n_c), np.ones(n_c)) if mode == "auto" else (fixed, fixed)
     windowed = has_windows(schedule, lookahead)  # a chunk without a window offloads nothing (with_weight_offload)
     w_lo, w_hi = w_lo * windowed, w_hi * windowed
+    host_states = _host_state_bytes(sc, costs)  # what moving a rank's states to host frees (0: already there)
     lp = LinearProgram("memory MILP", MILP_OPTIONS)
     col = _Columns(
         lp.add_variables(n_c, 0, ch.layers), lp.add_variables(n_c, 0, ch.layers), lp.add_variables(n_c, 0, ch.layers),
         lp.add_variables(n_c, 0, 1), lp.add_variables(n_c, 0, 1),
-        lp.add_variables(n_r, 0, 1 if allow_state_offload and _host_state_bytes(sc, costs).any() else 0),
+        lp.add_variables(n_r, 0, 1 if allow_state_offload and host_states.any() else 0),
         lp.add_variables(n_c, w_lo, w_hi),
         lp.add_variables(n_c, u_lo, u_hi),
         lp.add_variables(dag.n_nodes, 0, np.inf), lp.add_variables(1, 0, np.inf)[0], lp.add_variables(1, 0, np.inf)[0],
@@ -411,8 +412,8 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     _step_copy_rows(rows, col, ch, dag, _step_copy_s(costs, base), _base_step_s(base), sc.memory.optimizer != "hbm",
                     starts_away(schedule, lookahead))
     pos = _positions(schedule, lookahead, bool(w_hi.any()))
-    _hbm_rows(rows, col, ch, pos, base, costs, schedule, _host_state_bytes(sc, costs))
-    _host_rows(rows, col, ch, pos, costs, schedule, _host_state_bytes(sc, costs))
+    _hbm_rows(rows, col, ch, pos, base, costs, schedule, host_states)
+    _host_rows(rows, col, ch, pos, costs, schedule, host_states)
     rows.flush(lp)
 
     m = schedule.num_microbatches
