@@ -97,7 +97,7 @@ KEEP: tuple[tuple[str, Any], ...] = ()  # a joint run's memory treatment, as sor
 def planner_treatment(treatment: tuple[tuple[str, Any], ...], var: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     """The planner's treatment of one variant: with W deferred as usual (no stash limit) the W stash stays in
     HBM. Its MILP with the stash movable is the hardest here and never won where measured (80 layers, p = 8:
-    v = 2 planned 0.780 against 0.930 with the stash under the cap; v = 4 ran past the 600 s safety net with
+    v = 2 planned 0.780 against 0.926 with the stash under the cap; v = 4 ran past the 600 s safety net with
     its root bound at 0.856; docs/memory.md), so the stash moves only in the orders that bound it."""
     if "pipeline.stash_limit" in var or dict(treatment).get("memory.offload_stash") != "auto":
         return treatment
