@@ -23,6 +23,7 @@ from sim.data_parallel import StepTail, effective_zero, step_tail
 from sim.layer_ops import HeadTimes, LayerTimes, head_times, layer_flops, layer_times, op_checkpoint_bytes
 from sim.layer_split import layers_per_chunk
 from sim.overheads import loss_transient_bytes, runtime_bytes
+from sim.p2p_buffers import receive_buffers
 from sim.roofline import DeviceSpec
 
 FLASH_BACKWARD_FACTOR = 2.5  # FlashAttention-2 (Dao 2023): backward does 5 matmuls to the forward's 2
@@ -221,6 +222,10 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     act[0] += 8 * s * b + (s * b * h / sp if tr.dropout > 0 else 0)
     if sc.memory.activation_model == "megatron" and tr.dropout == 0:
         act[0] += s * b * h / t  # theoretical_memory_usage.py counts the embedding dropout mask regardless
+    # torch.distributed.pipelining's receive buffers (pipeline.p2p_buffers, sim/p2p_buffers.py): the stage input
+    # lives in a buffer allocated for the whole run, so it leaves the per-microbatch activations
+    buffers = receive_buffers(sc)
+    act -= buffers.input_bytes
 
     frag = 1.0 / (1.0 - sc.memory.fragmentation)
     stash = counts * lc.weight_stash_bytes
@@ -230,6 +235,7 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     states = {k: params * per for k, per in state_bytes_per_param(sc).items()}
     n_ranks = sc.pipeline.stages
     states["runtime"] = np.full(chunks, runtime_bytes(sc, dev, lc.params) / sc.pipeline.virtual_stages)
+    states["p2p_buffers"] = buffers.static_bytes
     transient = np.zeros(chunks)
     transient[-1] = loss_transient_bytes(sc)
     tail = step_tail(sc, spec, links, params, bwi + bww, n_ranks)
@@ -251,11 +257,12 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
         step_transient_bytes=tail.transient_bytes_per_chunk,
         op_checkpoint_bytes=np.full(chunks, op_checkpoint_bytes(sc) * frag),
         op_recompute_s=np.full(chunks, lt.op_recompute_s),
+        retained_bytes=buffers.retained_bytes * frag,
     )
     flops_mb = t * (m.layers * (lc.forward_flops + lc.backward_input_flops + lc.backward_weight_flops)
                     + 3 * head.flops)
     p2p_bytes = e * b * s * h / t
-    static_parts = ("weights", "gradients", "master_weights", "optimizer")
+    static_parts = ("weights", "gradients", "master_weights", "optimizer", "p2p_buffers")
     return ChunkCosts(
         forward_s=fwd,
         backward_input_s=bwi,

@@ -250,6 +250,8 @@ class _StepSimulation:
         self.nvme = per_rank_sum(mem.static_host_bytes.get("nvme", np.zeros(0)), s2r, n_ranks).tolist()
         self.peak_act = [0.0] * n_ranks
         self.stash = mem.stash_bytes.tolist() if len(mem.stash_bytes) else [0.0] * schedule.num_stages
+        # what a backward leaves behind until the step ends (torch pipelining's input gradients, sim/p2p_buffers.py)
+        self.retained = mem.retained_bytes.tolist() if len(mem.retained_bytes) else [0.0] * schedule.num_stages
         self.step_transient = per_rank_sum(mem.step_transient_bytes, s2r, n_ranks).tolist() \
             if len(mem.step_transient_bytes) else [0.0] * n_ranks
         # offloaded weights that return for a GPU optimizer's update (sim.memory.with_weight_offload)
@@ -522,9 +524,10 @@ class _StepSimulation:
                 yield env.timeout(wait)
             if backward:
                 # a split backward's I keeps what its W needs (inputs of the weight GEMMs, output gradients)
-                stash = self.stash[acts[i].stage] if kind is Kind.I else 0.0
-                self._allocate(rank, stash - self.kept[self.forward_of[i]] - float(self.transient[acts[i].stage]),
-                               env.now, i)
+                stage = acts[i].stage
+                stash = self.stash[stage] if kind is Kind.I else 0.0
+                self._allocate(rank, stash + self.retained[stage] - self.kept[self.forward_of[i]]
+                               - float(self.transient[stage]), env.now, i)
             elif kind is Kind.W and self.stash[acts[i].stage]:
                 self._allocate(rank, -self.stash[acts[i].stage], env.now, i)
             self.busy[rank] += dur
@@ -603,11 +606,16 @@ class _StepSimulation:
                 for r, stream, what, i, stage, start, end in self.copy_log
             ],
             peak_at=[
-                PeakMoment(r, at, during, static, live if during != "optimizer step" else 0.0,
+                PeakMoment(r, at, during, static, live if during != "optimizer step" else self._left_behind(live, r),
                            self.step_transient[r] if during == "optimizer step" else 0.0)
                 for r, (at, during, live, static) in enumerate(self.peak_moment)
             ],
         )
+
+    def _left_behind(self, live: float, rank: int) -> float:
+        """Of `live` during the optimizer step, what the backwards left (MemoryPlan.retained_bytes), not the
+        step's own working memory; 0 where nothing is retained (no float residue of the activations' frees)."""
+        return max(live - self.step_transient[rank], 0.0) if any(self.retained) else 0.0
 
     def _check_finished(self) -> None:
         blocked = []

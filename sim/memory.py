@@ -226,7 +226,8 @@ def with_states(sc: Scenario, costs: CostTable, plan: MemoryPlan) -> MemoryPlan:
     if mem.optimizer != "hbm" and mem.master_weights != mem.optimizer:
         raise ScenarioError(f"memory.master_weights: must live with the host optimizer step ('{mem.optimizer}'), "
                             f"got '{mem.master_weights}'")
-    static_hbm = parts.get("weights", zero).copy() + parts.get("runtime", zero)  # + CUDA context, NCCL, ...
+    # + CUDA context, NCCL, ... and a runtime's run-long P2P receive buffers (sim/p2p_buffers.py)
+    static_hbm = parts.get("weights", zero).copy() + parts.get("runtime", zero) + parts.get("p2p_buffers", zero)
     host: dict[str, np.ndarray] = {"dram": zero.copy(), "nvme": zero.copy()}
     params = costs.params if costs.params is not None else zero
     for part, tier in tiers.items():
@@ -268,4 +269,5 @@ def with_states(sc: Scenario, costs: CostTable, plan: MemoryPlan) -> MemoryPlan:
         nvme_bps=min(d.nvme_bps, d.host_link_bps),
         stash_bytes=or_zeros(d.weight_stash_bytes, n),
         step_transient_bytes=or_zeros(d.step_transient_bytes, n),
+        retained_bytes=or_zeros(d.retained_bytes, n),
     )

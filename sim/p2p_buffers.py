@@ -1,0 +1,70 @@
+"""Pipeline receive buffers: what a rank's P2P receives hold in HBM (`pipeline.p2p_buffers`).
+
+Two runtimes, two lifetimes:
+
+    per-exchange    Megatron-LM (p2p_communication.py `_communicate` allocates each receive with torch.empty)
+                    and pipeplan's runtime (runtime/p2p.py): a received activation is the stage input that the
+                    activations already count, a received gradient lives while the backward runs. Nothing here.
+    per-microbatch  torch.distributed.pipelining as torchtitan ran it (torch 1963fc8, December 2024; stage.py
+                    in the stored pytorch sources of that year): `PipelineStage._prepare_forward_infra` makes one
+                    activation receive buffer per microbatch (`args_recv_info[chunk_id]`, every stage but the
+                    first) and `_prepare_backward_infra` one gradient receive buffer per microbatch
+                    (`grad_recv_info[mb_index]` from `_create_grad_recv_info`, every stage but the last), all with
+                    `_make_tensor_from_meta` (torch.empty), once, for the whole run. `forward_one_chunk` runs the
+                    stage on the activation buffer itself (`_retrieve_recv_activations`), so the stage input the
+                    activations count lives in the buffer instead. `stage_backward` (_backward.py) computes the
+                    input gradient with `torch.autograd.backward` into the buffer's `.grad` (the buffer is a leaf
+                    that requires grad), and `stage_backward_input` assigns `inp.grad = dinput`: each
+                    microbatch's input gradient stays until `clear_runtime_states` sets `.grad = None` at the next
+                    `step()` (torch PR #164329, October 2025, releases it right after the send; later than the
+                    runs validated here).
+
+Per chunk c of a model-derived scenario, with B = e·b·s·h/SP the boundary tensor on one TP rank (SP: the
+sequence shard torch's SequenceParallel / RowwiseParallel(output_layouts=Shard(1)) hands on) and m microbatches:
+
+    static      m·B·[c > 0] + m·B·[c < last]      allocated before the first forward, never freed
+    input       B·[c > 0]                         per microbatch in flight: not an activation any more
+    retained    B·[c > 0]                         per microbatch, from its B/I's end to the step's end
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.activations import DTYPE_BYTES, sequence_divisor
+from sim.config import Scenario
+
+P2P_BUFFER_MODES = ("per-exchange", "per-microbatch")
+
+
+@dataclass(frozen=True)
+class ReceiveBuffers:
+    """Per chunk: the receive buffers' bytes (module docstring)."""
+
+    static_bytes: np.ndarray  # allocated once, held for the whole run
+    input_bytes: np.ndarray  # per microbatch: the stage input, which lives in a static buffer
+    retained_bytes: np.ndarray  # per microbatch: the input gradient, from its backward's end to the step's end
+
+
+def boundary_bytes(sc: Scenario) -> float:
+    """Bytes of the tensor one TP rank passes between stages: the residual stream, sequence-sharded with SP."""
+    m = sc.model
+    assert m is not None
+    e = DTYPE_BYTES[sc.training.dtype]
+    return e * sc.training.micro_batch_size * m.seq_len * m.hidden / sequence_divisor(sc)
+
+
+def receive_buffers(sc: Scenario) -> ReceiveBuffers:
+    n = sc.num_chunks
+    zero = np.zeros(n)
+    if sc.pipeline.p2p_buffers == "per-exchange" or n == 1:
+        return ReceiveBuffers(zero, zero.copy(), zero.copy())
+    b = boundary_bytes(sc)
+    receives_activations = np.arange(n) > 0
+    receives_gradients = np.arange(n) < n - 1
+    mb = sc.pipeline.microbatches
+    static = mb * b * (receives_activations.astype(float) + receives_gradients)
+    held = np.where(receives_activations, b, 0.0)
+    return ReceiveBuffers(static, held, held.copy())
