@@ -31,4 +31,5 @@ class ChunkDetail:
     step_transient_bytes: np.ndarray | None = None  # per chunk: what the optimizer step allocates while it runs
     op_checkpoint_bytes: np.ndarray | None = None  # per layer: what op-level selective checkpointing keeps
     op_recompute_s: np.ndarray | None = None  # per layer: what op-level selective checkpointing redoes
-    retained_bytes: np.ndarray | None = None  # per chunk and microbatch: held from B/I's end to the step's end
+    forward_retained_bytes: np.ndarray | None = None  # per chunk and microbatch: held from F's start to the step's end
+    backward_retained_bytes: np.ndarray | None = None  # per chunk and microbatch: held from B/I's end to the step's end

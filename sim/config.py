@@ -57,12 +57,14 @@ class PipelineConfig(_Section):
     to admission_cap, the stash counts against the same cap; 0 keeps no stash at all: the backward is not
     split (B instead of I + W)."""
     p2p_buffers: Literal["per-exchange", "per-microbatch"] = "per-exchange"
-    """Where a rank receives activations and gradients. "per-exchange": a buffer allocated for each message
-    and freed with the tensor it becomes (Megatron-LM's p2p_communication.py, pipeplan's runtime/p2p.py).
-    "per-microbatch": torch.distributed.pipelining (late 2024, torchtitan's pipeline): every stage allocates,
-    once for the whole run, one activation receive buffer per microbatch (not the first stage; the buffer is
-    the stage's input) and one gradient receive buffer per microbatch (not the last stage), and keeps each
-    microbatch's input gradient as that buffer's `.grad` until the next step starts (docs/cost-model.md)."""
+    """What a rank's sends and receives hold. "per-exchange": a buffer allocated for each message and freed
+    with the tensor it becomes, a sent output freed after its send (Megatron-LM's p2p_communication.py and
+    deallocate_output_tensor, pipeplan's runtime/p2p.py). "per-microbatch": torch.distributed.pipelining as of
+    torch 1963fc8 (December 2024, torchtitan's pipeline): every stage allocates, once for the whole run, one
+    activation receive buffer per microbatch (not the first stage; the buffer is the stage's input) and one
+    gradient receive buffer per microbatch (not the last stage), and keeps every microbatch's output
+    (`output_chunks`) and input gradient (the buffer's `.grad`) until the next step starts
+    (sim/p2p_buffers.py, docs/cost-model.md). Needs a [model] scenario."""
 
     @model_validator(mode="before")
     @classmethod

@@ -23,7 +23,7 @@ from sim.data_parallel import StepTail, effective_zero, step_tail
 from sim.layer_ops import HeadTimes, LayerTimes, head_times, layer_flops, layer_times, op_checkpoint_bytes
 from sim.layer_split import layers_per_chunk
 from sim.overheads import loss_transient_bytes, runtime_bytes
-from sim.p2p_buffers import receive_buffers
+from sim.p2p_buffers import p2p_buffers
 from sim.roofline import DeviceSpec
 
 FLASH_BACKWARD_FACTOR = 2.5  # FlashAttention-2 (Dao 2023): backward does 5 matmuls to the forward's 2
@@ -222,9 +222,9 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     act[0] += 8 * s * b + (s * b * h / sp if tr.dropout > 0 else 0)
     if sc.memory.activation_model == "megatron" and tr.dropout == 0:
         act[0] += s * b * h / t  # theoretical_memory_usage.py counts the embedding dropout mask regardless
-    # torch.distributed.pipelining's receive buffers (pipeline.p2p_buffers, sim/p2p_buffers.py): the stage input
-    # lives in a buffer allocated for the whole run, so it leaves the per-microbatch activations
-    buffers = receive_buffers(sc)
+    # torch.distributed.pipelining's P2P buffers (pipeline.p2p_buffers, sim/p2p_buffers.py): the stage input
+    # lives in a receive buffer allocated for the whole run, so it leaves the per-microbatch activations
+    buffers = p2p_buffers(sc)
     act -= buffers.input_bytes
 
     frag = 1.0 / (1.0 - sc.memory.fragmentation)
@@ -257,7 +257,8 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
         step_transient_bytes=tail.transient_bytes_per_chunk,
         op_checkpoint_bytes=np.full(chunks, op_checkpoint_bytes(sc) * frag),
         op_recompute_s=np.full(chunks, lt.op_recompute_s),
-        retained_bytes=buffers.retained_bytes * frag,
+        forward_retained_bytes=buffers.output_bytes * frag,
+        backward_retained_bytes=buffers.input_grad_bytes * frag,
     )
     flops_mb = t * (m.layers * (lc.forward_flops + lc.backward_input_flops + lc.backward_weight_flops)
                     + 3 * head.flops)

@@ -250,8 +250,11 @@ class _StepSimulation:
         self.nvme = per_rank_sum(mem.static_host_bytes.get("nvme", np.zeros(0)), s2r, n_ranks).tolist()
         self.peak_act = [0.0] * n_ranks
         self.stash = mem.stash_bytes.tolist() if len(mem.stash_bytes) else [0.0] * schedule.num_stages
-        # what a backward leaves behind until the step ends (torch pipelining's input gradients, sim/p2p_buffers.py)
-        self.retained = mem.retained_bytes.tolist() if len(mem.retained_bytes) else [0.0] * schedule.num_stages
+        # what a forward / a backward leaves behind until the step ends (torch pipelining's stage outputs and input
+        # gradients, sim/p2p_buffers.py)
+        zeros = [0.0] * schedule.num_stages
+        self.f_left = mem.forward_retained_bytes.tolist() if len(mem.forward_retained_bytes) else zeros
+        self.b_left = mem.backward_retained_bytes.tolist() if len(mem.backward_retained_bytes) else zeros
         self.step_transient = per_rank_sum(mem.step_transient_bytes, s2r, n_ranks).tolist() \
             if len(mem.step_transient_bytes) else [0.0] * n_ranks
         # offloaded weights that return for a GPU optimizer's update (sim.memory.with_weight_offload)
@@ -515,7 +518,7 @@ class _StepSimulation:
                 self._issue_prefetches(rank, i)
             dur = self.duration[i]
             if kind is Kind.F:
-                self._allocate(rank, self.kept[i], ready, i)
+                self._allocate(rank, self.kept[i] + self.f_left[acts[i].stage], ready, i)
             elif backward and self.transient[acts[i].stage] > 0:
                 self._allocate(rank, float(self.transient[acts[i].stage]), ready, i)
             self.start[i] = ready
@@ -526,7 +529,7 @@ class _StepSimulation:
                 # a split backward's I keeps what its W needs (inputs of the weight GEMMs, output gradients)
                 stage = acts[i].stage
                 stash = self.stash[stage] if kind is Kind.I else 0.0
-                self._allocate(rank, stash + self.retained[stage] - self.kept[self.forward_of[i]]
+                self._allocate(rank, stash + self.b_left[stage] - self.kept[self.forward_of[i]]
                                - float(self.transient[stage]), env.now, i)
             elif kind is Kind.W and self.stash[acts[i].stage]:
                 self._allocate(rank, -self.stash[acts[i].stage], env.now, i)
@@ -613,9 +616,10 @@ class _StepSimulation:
         )
 
     def _left_behind(self, live: float, rank: int) -> float:
-        """Of `live` during the optimizer step, what the backwards left (MemoryPlan.retained_bytes), not the
-        step's own working memory; 0 where nothing is retained (no float residue of the activations' frees)."""
-        return max(live - self.step_transient[rank], 0.0) if any(self.retained) else 0.0
+        """Of `live` during the optimizer step, what the forwards and backwards left (MemoryPlan's
+        forward_retained_bytes and backward_retained_bytes), not the step's own working memory; 0 where nothing
+        is left (no float residue of the activations' frees)."""
+        return max(live - self.step_transient[rank], 0.0) if any(self.f_left) or any(self.b_left) else 0.0
 
     def _check_finished(self) -> None:
         blocked = []

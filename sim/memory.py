@@ -269,5 +269,6 @@ def with_states(sc: Scenario, costs: CostTable, plan: MemoryPlan) -> MemoryPlan:
         nvme_bps=min(d.nvme_bps, d.host_link_bps),
         stash_bytes=or_zeros(d.weight_stash_bytes, n),
         step_transient_bytes=or_zeros(d.step_transient_bytes, n),
-        retained_bytes=or_zeros(d.retained_bytes, n),
+        forward_retained_bytes=or_zeros(d.forward_retained_bytes, n),
+        backward_retained_bytes=or_zeros(d.backward_retained_bytes, n),
     )

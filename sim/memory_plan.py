@@ -37,9 +37,11 @@ class MemoryPlan:
     # per chunk and microbatch: part of stash_bytes copied to DRAM after I ends and prefetched before W (the W
     # stash offload; sim/engine.py); 0 keeps the whole stash in HBM from I's end to W's end
     stash_offload_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    # per chunk and microbatch: held from its B/I's end to the step's end, under every plan (torch pipelining's
-    # input gradients kept as the receive buffers' .grad, sim/p2p_buffers.py); empty: none
-    retained_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # per chunk and microbatch, under every plan (torch pipelining, sim/p2p_buffers.py; empty: none): held from
+    # its F's start to the step's end (the stage outputs torch keeps) and from its B/I's end to the step's end
+    # (the input gradients kept as the receive buffers' .grad)
+    forward_retained_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    backward_retained_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def offloads(self) -> bool:
@@ -82,7 +84,8 @@ def keep_everything(costs: CostTable) -> MemoryPlan:
         policy=("none",) * n,
         stash_bytes=or_zeros(d.weight_stash_bytes if d else None, n),
         step_transient_bytes=or_zeros(d.step_transient_bytes if d else None, n),
-        retained_bytes=or_zeros(d.retained_bytes if d else None, n),
+        forward_retained_bytes=or_zeros(d.forward_retained_bytes if d else None, n),
+        backward_retained_bytes=or_zeros(d.backward_retained_bytes if d else None, n),
     )
 
 

@@ -25,15 +25,16 @@ f_c forward seconds; A_c the chunk's activation bytes; m microbatches.
                 forwards' (copies out may be unfinished)):
                   S_r - y_r H_r + Σ_c [N_kc (A_c - (a_c - q_c) k_c) - (N_kc - R_kc) a_c (d_c + n_c)]
                   + max(ℓ_c, a_c z_c) [k is a B/I of c] - Σ_c o_c W_c [k inside a weight window of c]
-                  + Σ_c [S_kc w_c - (S_kc - SR_kc) σ_c u_c] + Σ_c D_kc g_c  <=  capacity - margin
+                  + Σ_c [S_kc w_c - (S_kc - SR_kc) σ_c u_c] + Σ_c (D_kc g_c + F_kc o_c)  <=  capacity - margin
                 (ℓ_c: the loss's working set, last chunk only; freed before the first recomputation starts, so
                 the max, written ℓ_c + max(a_c - ℓ_c, 0) z_c);
                 S_kc: microbatches of c between their I's end and their W's end, each holding its W stash
                 w_c; SR_kc of them resident in full: the current W's, the next `lookahead` W's (prefetched), the
                 last two I's (stash copies out may be unfinished); D_kc: microbatches of c whose B/I has
-                ended, each leaving g_c until the step's end (torch pipelining's input gradients,
-                sim/p2p_buffers.py); after the last action, S_r - y_r H_r + Σ_c m g_c + the optimizer step's
-                working memory <= the same
+                ended, each leaving g_c until the step's end, and F_kc those whose F has started (the current
+                one included), each leaving o_c (torch pipelining's input gradients and stage outputs,
+                sim/p2p_buffers.py); after the last action, S_r - y_r H_r + Σ_c m (g_c + o_c) + the optimizer
+                step's working memory <= the same
                 copies, FIFO per rank and direction, x_c = a_c (d_c / bw_link + n_c / bw_nvme) per microbatch
                 after F, ξ_c = σ_c u_c / bw_link after I; j runs over the rank's F and I in its order:
                   e_j >= s_j + D_j + x_j,  e_j >= e_(j-1) + x_j                        (copy out, FIFO)
@@ -197,7 +198,9 @@ class _Positions:
     stashed: np.ndarray  # (P, C): microbatches whose I has ended and whose W has not (each holds a W stash)
     stash_resident: np.ndarray  # (P, C): of those, the ones whose stash is whole in HBM even when offloaded
     max_stashed: np.ndarray  # (C,)
-    backwards_done: np.ndarray  # (P, C): microbatches whose B/I has ended (each leaves MemoryPlan.retained_bytes)
+    forwards_started: np.ndarray  # (P, C): microbatches whose F has started, the current one included (each
+    # leaves MemoryPlan.forward_retained_bytes)
+    backwards_done: np.ndarray  # (P, C): microbatches whose B/I has ended (each leaves backward_retained_bytes)
 
 
 def _away_positions(schedule: Schedule, lookahead: int) -> list[np.ndarray]:
@@ -232,9 +235,9 @@ def _positions(schedule: Schedule, lookahead: int, weights: bool = False) -> _Po
     plan that may offload weights needs; without them fewer rows are distinct)."""
     n_chunks = schedule.num_stages
     away = _away_positions(schedule, lookahead) if weights else [np.zeros((len(r), n_chunks)) for r in schedule.ranks]
-    rows_rank, rows_n, rows_r, rows_b, rows_w, rows_s, rows_sr, rows_d = [], [], [], [], [], [], [], []
+    rows_rank, rows_n, rows_r, rows_b, rows_w, rows_s, rows_sr, rows_f, rows_d = [], [], [], [], [], [], [], [], []
     for r, actions in enumerate(schedule.ranks):
-        done = np.zeros(n_chunks)
+        started, done = np.zeros(n_chunks), np.zeros(n_chunks)
         inflight: dict[tuple[int, int], None] = {}
         stashed: dict[tuple[int, int], None] = {}  # the engine holds a stash from I's end to W's end
         recent_f: list[tuple[int, int]] = []
@@ -245,6 +248,7 @@ def _positions(schedule: Schedule, lookahead: int, weights: bool = False) -> _Po
             key = (a.stage, a.microbatch)
             if a.kind is Kind.F:
                 inflight[key] = None
+                started[a.stage] += 1
             n_vec = np.zeros(n_chunks)
             for s, _mb in inflight:
                 n_vec[s] += 1
@@ -259,6 +263,7 @@ def _positions(schedule: Schedule, lookahead: int, weights: bool = False) -> _Po
                 s_vec[s] += 1
             rows_s.append(s_vec)
             rows_sr.append(_whole_per_chunk(stashed, key, recent_i, weights, actions, k, lookahead, n_chunks))
+            rows_f.append(started.copy())
             rows_d.append(done.copy())
             if a.kind is Kind.I:
                 stashed[key] = None
@@ -273,14 +278,15 @@ def _positions(schedule: Schedule, lookahead: int, weights: bool = False) -> _Po
     inflight_arr = np.asarray(rows_n)
     # identical rows constrain nothing new
     away_arr, stash_arr, whole_arr = np.asarray(rows_w), np.asarray(rows_s), np.asarray(rows_sr)
-    done_arr = np.asarray(rows_d)
+    started_arr, done_arr = np.asarray(rows_f), np.asarray(rows_d)
     keys = np.concatenate([np.asarray(rows_rank)[:, None], inflight_arr, np.asarray(rows_r),
-                           np.asarray(rows_b)[:, None], away_arr, stash_arr, whole_arr, done_arr], axis=1)
+                           np.asarray(rows_b)[:, None], away_arr, stash_arr, whole_arr, started_arr, done_arr], axis=1)
     _, keep = np.unique(keys, axis=0, return_index=True)
     keep.sort()
     return _Positions(np.asarray(rows_rank)[keep], inflight_arr[keep], np.asarray(rows_r)[keep],
                       np.asarray(rows_b)[keep], inflight_arr.max(axis=0), away_arr[keep], stash_arr[keep],
-                      whole_arr[keep], stash_arr.max(axis=0), done_arr[keep])
+                      whole_arr[keep], stash_arr.max(axis=0), started_arr[keep],
+                      done_arr[keep])
 
 
 def plan_memory(
@@ -578,12 +584,14 @@ def _hbm_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, base: Me
     static_r = per_rank_sum(base.static_hbm_bytes, s2r, n_r)
     hs_r = per_rank_sum(host_states, s2r, n_r)
     stash = base.stash_bytes if len(base.stash_bytes) else np.zeros(costs.num_chunks)
-    retained = base.retained_bytes if len(base.retained_bytes) else np.zeros(costs.num_chunks)
+    zero = np.zeros(costs.num_chunks)
+    f_left = base.forward_retained_bytes if len(base.forward_retained_bytes) else zero
+    b_left = base.backward_retained_bytes if len(base.backward_retained_bytes) else zero
     for p in range(len(pos.rank)):
         r = pos.rank[p]
         N, R = pos.inflight[p], pos.resident[p]
         const = (static_r[r] + float(N @ costs.activation_bytes) + float(pos.stashed[p] @ stash)
-                 + float(pos.backwards_done[p] @ retained))
+                 + float(pos.forwards_started[p] @ f_left) + float(pos.backwards_done[p] @ b_left))
         if pos.backward_chunk[p] >= 0:
             const += float(base.transient_bytes[pos.backward_chunk[p]])
         cols = [col.peak, col.states_on_host[r]]
@@ -604,7 +612,7 @@ def _hbm_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, base: Me
         rows.add(-np.inf, -const, cols, vals)
     if len(base.step_transient_bytes):
         step_r = per_rank_sum(base.step_transient_bytes, s2r, n_r)
-        left_r = per_rank_sum(retained * schedule.num_microbatches, s2r, n_r)  # every backward has run
+        left_r = per_rank_sum((f_left + b_left) * schedule.num_microbatches, s2r, n_r)  # every F and B has run
         for r in range(n_r):
             rows.add(-np.inf, -(static_r[r] + step_r[r] + left_r[r]), [col.peak, col.states_on_host[r]],
                      [-1.0, -hs_r[r]])
@@ -689,7 +697,8 @@ def plan_from_choice(sc: Scenario, costs: CostTable, schedule: Schedule, base: M
         nvme_bps=base.nvme_bps,
         stash_bytes=base.stash_bytes,  # a split backward's W stash and the optimizer step's working memory:
         step_transient_bytes=base.step_transient_bytes,  # the engine holds them under every plan
-        retained_bytes=base.retained_bytes,  # torch pipelining's input gradients: every plan alike
+        forward_retained_bytes=base.forward_retained_bytes,  # torch pipelining's outputs and input gradients:
+        backward_retained_bytes=base.backward_retained_bytes,  # every plan alike
         # the offloaded layers' share of the stash (MilpSolution's u_c; none without a split backward)
         stash_offload_bytes=(or_zeros(base.stash_bytes, costs.num_chunks) * stash_layers / np.maximum(d.layers, 1)
                              if splits_backward(schedule) else np.zeros(costs.num_chunks)),
