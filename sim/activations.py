@@ -53,8 +53,9 @@ def gathered_bytes_per_element(sc: Scenario) -> int:
 
     With `tp_style = "dtensor"` and Float8 linears, torchao's PrepareFloat8ModuleInput and Float8ColwiseParallel
     cast the shard to float8 before `redistribute` gathers it (torchao/float8/float8_tensor_parallel.py), and
-    Float8Linear's `manual_float8_matmul_with_args_in_float8` saves that float8 input for the backward
-    (torchao/float8/float8_linear.py, 2024): one byte. Otherwise the training dtype's e."""
+    Float8Linear saves the input it is given, that float8 tensor, for the backward (`matmul_with_hp_or_float8_args`:
+    save_for_backward(input_hp, ...), torchao/float8/float8_linear.py, late 2024): one byte. Otherwise the
+    training dtype's e."""
     if sc.parallel.tp_style == "dtensor" and sc.training.float8_linears:
         return FLOAT8_BYTES
     return DTYPE_BYTES[sc.training.dtype]
@@ -86,12 +87,25 @@ def layer_memory(sc: Scenario) -> LayerMemory:
         core = e * a * s * s * b + ((MASK_BYTES + e) * a * s * s * b if tr.dropout > 0 else 0)
     activation = replicated / sp + (sharded + core) / t
     gathered = 0.0
-    if sc.parallel.tp_style == "dtensor" and sp > 1:
+    float8_tp = sc.parallel.tp_style == "dtensor" and tr.float8_linears and t > 1
+    if sc.parallel.tp_style == "dtensor" and (sp > 1 or float8_tp):
         # torch's ColwiseParallel matmul saves the all-gathered input, not its shard (nothing is re-gathered
         # for the weight gradient, sim/tp_comm.py): the QKV and MLP-up inputs are kept whole, at the element
-        # size the all-gather moved (float8 with Float8 linears), instead of their e-byte shards
+        # size the all-gather moved (float8 with Float8 linears, cast before it even without SP), instead of
+        # their e-byte shards
         gathered = 2 * s * b * h * (gathered_bytes_per_element(sc) - e / sp)
         activation += gathered
+    row_inputs = 0.0
+    if float8_tp:
+        # torchao's Float8RowwiseParallel casts the out-proj and MLP down-projection inputs to float8 before the
+        # matmul (float8_tensor_parallel.py `_prepare_input_fn`: hp_tensor_to_float8_dynamic), and Float8Linear
+        # saves the input it is given (float8_linear.py, late 2024: matmul_with_hp_or_float8_args,
+        # save_for_backward(input_hp, ...)): 1 byte, not e. Flash SDPA keeps its own e-byte output beside the
+        # out-proj's float8 copy; eager attention's output is saved by the out-proj alone
+        down = (FLOAT8_BYTES - e) * s * b * m.ffn_hidden / t
+        out_proj = FLOAT8_BYTES * s * b * h / t if tr.attention == "flash" else (FLOAT8_BYTES - e) * s * b * h / t
+        activation += down + out_proj
+        row_inputs = (FLOAT8_BYTES - e) * s * b * (h + m.ffn_hidden) / t  # what a deferred W keeps of them
     if not tr.compile and m.architecture == "llama":
         # PyTorch eager keeps what each unfused op saves for its backward (torchtitan's model at 9dec370): each
         # RMSNorm its fp32 copy of x (pow and x * rsqrt save it) beside the bf16 output; RoPE's complex multiply
@@ -104,7 +118,7 @@ def layer_memory(sc: Scenario) -> LayerMemory:
         activation = per * (18 + 4 * m.ffn_hidden / h) / t if sp == t else per * (10 + (8 + 4 * m.ffn_hidden / h) / t)
     stash = e * s * b * (2 * h / sp + (h + m.ffn_hidden) / t  # inputs: QKV and fc1 (replicated), proj, fc2
                          + (h + 2 * h_kv + mlp_up) / t + 2 * h / sp)  # output grads: QKV, fc1 | proj, fc2
-    stash += gathered
+    stash += gathered + row_inputs
     return LayerMemory(
         activation=activation,
         checkpoint=e * s * b * h / sp,

@@ -90,3 +90,24 @@ def test_float8_linears_need_fp8_tensor_cores():
     with pytest.raises(ScenarioError, match=r"training\.float8_linears"):
         build_cost_table(llama(training={"float8_linears": True}, device={"preset": "A100-80GB"}))
 
+
+
+@pytest.mark.parametrize("attention,sp", [("flash", True), ("eager", True), ("flash", False)])
+def test_float8_tensor_parallel_keeps_every_linear_input_in_float8(attention, sp):
+    """torchao's Float8ColwiseParallel and Float8RowwiseParallel cast a linear's input to float8 before the
+    matmul, and Float8Linear saves the input it is given (matmul_with_hp_or_float8_args): with DTensor TP the
+    QKV and MLP-up inputs are kept whole at 1 byte, and so are the out-proj and down-projection inputs, at 1 byte
+    on their TP shard. Flash SDPA keeps its e-byte output beside the out-proj's float8 copy; eager attention's
+    output is kept by the out-proj alone. A deferred W (its stash) keeps the same GEMM inputs."""
+    e, t = 2, 8
+    par = {"tp": t, "tp_style": "dtensor", "sequence_parallel": sp}
+    base = {"attention": attention}
+    bf16 = build_cost_table(llama(training=base, parallel=par)).detail
+    fp8 = build_cost_table(llama(training={**base, "float8_linears": True}, parallel=par)).detail
+    col = 2 * T * H * (1 - e)  # QKV and MLP-up inputs: e bytes whole (gathered, or replicated without SP) -> 1
+    down = (1 - e) * T * F / t
+    out_proj = T * H / t if attention == "flash" else (1 - e) * T * H / t
+    assert fp8.layer_activation_bytes[0] - bf16.layer_activation_bytes[0] == pytest.approx(col + down + out_proj)
+    stash = col + (1 - e) * T * (H + F) / t
+    per_layer = (fp8.weight_stash_bytes[0] - bf16.weight_stash_bytes[0]) / fp8.layers[0]
+    assert per_layer == pytest.approx(stash)

@@ -131,13 +131,19 @@ SBH = 16 * 8192 * 8192  # the 70B file's micro batch 16 x 8,192 tokens x hidden 
 def test_dtensor_keeps_the_gathered_qkv_and_mlp_inputs_at_the_gathers_element_size():
     """Megatron keeps the two e-byte shards (e·sbh/t each); DTensor the gathered tensors the matmuls were fed:
     bf16 (e·sbh), or with Float8 linears the float8 tensors torchao gathered (1·sbh), in the activations and
-    in a split backward's W stash alike."""
+    in a split backward's W stash alike. With Float8 the row-parallel inputs are float8 too (torchao's
+    Float8RowwiseParallel casts them): the down-projection's f/t-wide input at 1 byte, not e, and beside flash
+    attention's e-byte output the out-proj's float8 copy (h/t); a W stash keeps both inputs at 1 byte."""
     from sim.activations import layer_memory
 
-    for overrides, per_input in (({}, 1 - 2 / 8), ({"training.float8_linears": False}, 2 * (1 - 1 / 8))):
+    f_over_h = 28672 / 8192
+    row_act = (-f_over_h + 1) / 8  # (1 - e)·sbf/t + 1·sbh/t, in units of sbh
+    row_stash = -(1 + f_over_h) / 8  # (1 - e)·sb(h + f)/t
+    for overrides, per_input, act, stash in (({}, 1 - 2 / 8, row_act, row_stash),
+                                             ({"training.float8_linears": False}, 2 * (1 - 1 / 8), 0.0, 0.0)):
         dtensor, megatron = layer_memory(_sc(**overrides)), layer_memory(_megatron(**overrides))
-        assert dtensor.activation - megatron.activation == pytest.approx(2 * per_input * SBH)
-        assert dtensor.weight_stash - megatron.weight_stash == pytest.approx(2 * per_input * SBH)
+        assert dtensor.activation - megatron.activation == pytest.approx((2 * per_input + act) * SBH)
+        assert dtensor.weight_stash - megatron.weight_stash == pytest.approx((2 * per_input + stash) * SBH)
 
 
 def test_dtensor_lm_head_keeps_its_gathered_bf16_input():
@@ -154,4 +160,5 @@ def test_dtensor_lm_head_keeps_its_gathered_bf16_input():
     assert (dtensor.activation_bytes[-1] - megatron.activation_bytes[-1]
             == pytest.approx(layers * (lm_dt - lm_mg) + head))
     stash_dt = dtensor.detail.weight_stash_bytes[-1] - megatron.detail.weight_stash_bytes[-1]
-    assert stash_dt == pytest.approx(layers * 2 * (1 - 2 / 8) * SBH * frag + head)
+    row = -(1 + 28672 / 8192) / 8 * SBH  # the row-parallel inputs at 1 byte (Float8RowwiseParallel), as above
+    assert stash_dt == pytest.approx(layers * (2 * (1 - 2 / 8) * SBH + row) * frag + head)
