@@ -116,8 +116,13 @@ def layer_memory(sc: Scenario) -> LayerMemory:
         # without SP the 10sbh of replicated tensors do not divide (Table 2, "tensor parallel")
         per = s * b * h
         activation = per * (18 + 4 * m.ffn_hidden / h) / t if sp == t else per * (10 + (8 + 4 * m.ffn_hidden / h) / t)
-    stash = e * s * b * (2 * h / sp + (h + m.ffn_hidden) / t  # inputs: QKV and fc1 (replicated), proj, fc2
-                         + (h + 2 * h_kv + mlp_up) / t + 2 * h / sp)  # output grads: QKV, fc1 | proj, fc2
+    # the W GEMMs' inputs: QKV and fc1 (replicated; Megatron keeps the SP shard and re-gathers it for W), proj,
+    # fc2; their output gradients: QKV and fc1 (h-sharded), proj and fc2 whole: with SP a row-parallel layer's
+    # dY arrives gathered (the reduce-scatter's backward is an all-gather, _ReduceScatterToSequenceParallelRegion)
+    # and the W keeps that grad_output (the Zero Bubble fork's layers.py: WeightGradStore.put(weight,
+    # partial(pre_process, grad_output, input), ...), pre_process re-gathers the input only)
+    stash = e * s * b * (2 * h / sp + (h + m.ffn_hidden) / t
+                         + (h + 2 * h_kv + mlp_up) / t + 2 * h)
     stash += gathered + row_inputs
     return LayerMemory(
         activation=activation,

@@ -81,6 +81,16 @@ def test_zero_bubble_weight_stash_is_32sbh():
     assert layer_memory(gpt(parallel={"tp": 1})).weight_stash == 32 * SBH
 
 
+def test_row_parallel_w_keeps_the_gathered_output_gradient():
+    # with SP the proj and fc2 output gradients arrive all-gathered (s whole, h whole) and their W keeps them; the
+    # QKV and fc1 inputs stay SP shards (re-gathered for W), the rest are h- or f-sharded: in e·sbh units
+    # 2/t (QKV, fc1 inputs) + 5/t (proj, fc2 inputs; f = 4h) + 7/t (QKV, fc1 output gradients) + 2 (proj, fc2)
+    t = 8
+    assert layer_memory(gpt(parallel={"sequence_parallel": True})).weight_stash == pytest.approx(
+        2 * SBH * (14 / t + 2))
+    assert layer_memory(gpt()).weight_stash == pytest.approx(2 * SBH * (2 + 12 / t + 2))  # no SP: inputs whole
+
+
 def test_gpt_parameters_are_narayanans_count():
     # Narayanan et al. 2021, eq. (2): P = 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)); plus the final LayerNorm
     sc = gpt(parallel={"tp": 1}, pipeline={"stages": 1})
