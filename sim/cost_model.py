@@ -181,8 +181,9 @@ def chunk_layers(sc: Scenario) -> list[int]:
     """Decoder layers per chunk, in model order, exactly as the cost model places them: the one placement rule
     that the simulator's costs and the runtime's stage modules (runtime/stages.py) both follow."""
     spec = device_spec(sc)
-    lt = layer_times(sc, spec, tp_link(sc, build_links(sc, sc.device.resolved())))
-    extra_f, extra_i, extra_w = chunk_extra_times(sc, head_times(sc, spec))
+    tp = tp_link(sc, build_links(sc, sc.device.resolved()))
+    lt = layer_times(sc, spec, tp)
+    extra_f, extra_i, extra_w = chunk_extra_times(sc, head_times(sc, spec, tp))
     return place_layers(sc, lt, extra_f + extra_i + extra_w)
 
 
@@ -198,7 +199,7 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     b, s, h, v = tr.micro_batch_size, m.seq_len, m.hidden, m.vocab
     lc = layer_costs(sc)
     lt: LayerTimes = layer_times(sc, spec, tp_link(sc, links))
-    head = head_times(sc, spec)
+    head = head_times(sc, spec, tp_link(sc, links))
     emb_params, head_params = embedding_params(sc)
 
     extra_f, extra_i, extra_w = chunk_extra_times(sc, head)

@@ -36,7 +36,7 @@ from sim.activations import DTYPE_BYTES, LSE_BYTES, MASK_BYTES, mlp_widths, sequ
 from sim.comm import Link
 from sim.config import Scenario
 from sim.roofline import DeviceSpec, attention_s, gemm_s, memory_bound_s
-from sim.tp_comm import collective_s, layer_collectives, pass_with_comm_s
+from sim.tp_comm import collective_s, head_collectives, layer_collectives, pass_with_comm_s
 
 FLASH_BACKWARD = 2.5  # FlashAttention-2 (Dao 2023): backward does 5 matmuls to the forward's 2
 ELEMENTWISE_BACKWARD_FACTOR = 2.0  # backward of an element-wise op reads input + grad and writes grad
@@ -262,9 +262,11 @@ def layer_times(sc: Scenario, dev: DeviceSpec, tp: Link) -> LayerTimes:
     )
 
 
-def head_times(sc: Scenario, dev: DeviceSpec) -> HeadTimes:
+def head_times(sc: Scenario, dev: DeviceSpec, tp: Link | None = None) -> HeadTimes:
     """LM head GEMM (T x h @ h x V/t), the loss (fp32 softmax over V/t: read bf16 logits, write and re-read fp32
-    copies) and the embedding lookup (a gather forward, a scatter-add backward: memory-bound)."""
+    copies) and the embedding lookup (a gather forward, a scatter-add backward: memory-bound), with their TP
+    collectives over `tp` (sim/tp_comm.py `head_collectives`, under parallel.tp_comm_overlap like the layers';
+    needed when tp > 1)."""
     m, tr, t = sc.model, sc.training, sc.parallel.tp
     assert m is not None
     e = DTYPE_BYTES[tr.dtype]
@@ -274,12 +276,20 @@ def head_times(sc: Scenario, dev: DeviceSpec) -> HeadTimes:
     loss_b = memory_bound_s((4 + 4 + e) * tokens * v / t, dev)  # softmax - one-hot, scale, cast to bf16
     norm = memory_bound_s(2 * e * tokens * h / sequence_divisor(sc), dev)
     emb = memory_bound_s(2 * e * tokens * h / sequence_divisor(sc), dev)
+    head = (tokens, v / t, h)
+    colls = head_collectives(sc, head)
+    if t > 1 and tp is None:
+        raise ValueError("head_times: tp > 1 needs the TP link")
+
+    def with_comm(gemm: float, pass_name: str) -> float:
+        return pass_with_comm_s(sc, gemm, colls[pass_name], tp, ge, dev) if colls[pass_name] else gemm
+
     return HeadTimes(
-        forward_s=gemm_s(tokens, v / t, h, ge, dev) + loss_f + norm,
-        backward_input_s=gemm_s(tokens, h, v / t, ge, dev) + loss_b + 2 * norm,
-        backward_weight_s=gemm_s(h, v / t, tokens, ge, dev),
-        embedding_forward_s=emb,
-        embedding_backward_s=2 * emb,
+        forward_s=with_comm(gemm_s(*head, ge, dev), "F") + loss_f + norm,
+        backward_input_s=with_comm(gemm_s(tokens, h, v / t, ge, dev), "I") + loss_b + 2 * norm,
+        backward_weight_s=with_comm(gemm_s(h, v / t, tokens, ge, dev), "W"),
+        embedding_forward_s=with_comm(0.0, "EF") + emb,
+        embedding_backward_s=with_comm(0.0, "EI") + 2 * emb,
         flops=2 * tokens * h * v / t,
     )
 

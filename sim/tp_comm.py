@@ -116,6 +116,38 @@ def layer_collectives(sc: Scenario, gemms: list[Gemm]) -> dict[str, list[Collect
     return out
 
 
+def head_collectives(sc: Scenario, head: Gemm) -> dict[str, list[Collective]]:
+    """The TP collectives of the LM head ("F", "I", "W", around its GEMM `head`) and of the embedding ("EF",
+    "EI"), all on the e-byte residual stream (neither is Float8: torchtitan converts only the layers' linears).
+
+    Embedding (Megatron's VocabParallelEmbedding, torchtitan's RowwiseParallel(input_layouts=Replicate(),
+    output_layouts=Shard(1))): each rank looks up its vocabulary shard and the partial sums are all-reduced, or
+    with SP reduce-scattered, whose backward all-gathers dY (a lookup: nothing to fuse). LM head (a column-parallel
+    linear, torchtitan's ColwiseParallel(input_layouts=Shard(1))): with SP its input is all-gathered before the
+    GEMM and dX reduce-scattered after dX = dY Wᵀ; without SP the forward needs nothing and dX is all-reduced
+    (copy_to_tensor_model_parallel_region's backward). Megatron re-gathers the SP input for dW, as in the layers.
+    The vocabulary-parallel loss's all-reduces move 4 bytes per token (max, sum of exp, target logit): left out,
+    three orders of magnitude below these."""
+    m, tr, par = sc.model, sc.training, sc.parallel
+    assert m is not None
+    out: dict[str, list[Collective]] = {"F": [], "I": [], "W": [], "EF": [], "EI": []}
+    if par.tp <= 1:
+        return out
+    stream = DTYPE_BYTES[tr.dtype] * tr.micro_batch_size * m.seq_len * m.hidden
+    dx = (head[0], head[2], head[1])
+    if not par.sequence_parallel:
+        out["EF"] = [Collective("all-reduce", stream, (), False)]
+        out["I"] = [Collective("all-reduce", stream, (dx,), False)]
+        return out
+    out["EF"] = [Collective("reduce-scatter", stream, (), False)]
+    out["EI"] = [Collective("all-gather", stream, (), False)]
+    out["F"] = [Collective("all-gather", stream, (head,), True)]
+    out["I"] = [Collective("reduce-scatter", stream, (dx,), True)]
+    if par.tp_style == "megatron":
+        out["W"] = [Collective("all-gather", stream, (), False)]
+    return out
+
+
 def collective_s(c: Collective, t: int, link: Link) -> float:
     """Ring time of one collective on its own (sim/comm.py)."""
     return all_reduce_s(c.nbytes, t, link) if c.kind == "all-reduce" else all_gather_s(c.nbytes, t, link)

@@ -162,3 +162,26 @@ def test_dtensor_lm_head_keeps_its_gathered_bf16_input():
     stash_dt = dtensor.detail.weight_stash_bytes[-1] - megatron.detail.weight_stash_bytes[-1]
     row = -(1 + 28672 / 8192) / 8 * SBH  # the row-parallel inputs at 1 byte (Float8RowwiseParallel), as above
     assert stash_dt == pytest.approx(layers * (2 * (1 - 2 / 8) * SBH + row) * frag + head)
+
+
+@pytest.mark.parametrize("style,sp", [("megatron", True), ("dtensor", True), ("megatron", False)])
+def test_lm_head_and_embedding_pay_their_tp_collectives(style, sp):
+    """Each pass of the head and the embedding is slower than with a free link by exactly its collectives' ring
+    times (no overlap): with SP the embedding reduce-scatters its output and all-gathers dY, the head all-gathers
+    its input and reduce-scatters dX (Megatron gathers the input again for dW); without SP the embedding
+    all-reduces its output and the head its dX. Every one moves the e-byte stream, 2·sbh."""
+    from sim.comm import all_gather_s, all_reduce_s
+    from sim.cost_model import device_spec
+    from sim.layer_ops import head_times
+
+    over = {"parallel.tp_comm_overlap": "none", "parallel.sequence_parallel": sp}
+    sc = _sc(**over) if style == "dtensor" else _megatron(**over)
+    dev = device_spec(sc)
+    slow, free = head_times(sc, dev, LINK), head_times(sc, dev, Link(bytes_per_s=1e30, latency_s=0.0))
+    ag, ar = all_gather_s(2 * SBH, T, LINK), all_reduce_s(2 * SBH, T, LINK)
+    regather = ag if style == "megatron" and sp else 0.0
+    expected = ((ag, ag, regather, ag, ag) if sp else (0.0, ar, 0.0, ar, 0.0))
+    got = (slow.forward_s - free.forward_s, slow.backward_input_s - free.backward_input_s,
+           slow.backward_weight_s - free.backward_weight_s, slow.embedding_forward_s - free.embedding_forward_s,
+           slow.embedding_backward_s - free.embedding_backward_s)
+    assert got == pytest.approx(expected, rel=1e-9, abs=1e-12)
