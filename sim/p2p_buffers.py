@@ -33,6 +33,9 @@ and m microbatches:
     input            B·[c > 0]                        per microbatch in flight: not an activation any more
     output           B·[c < n - 1] + L·[c = n - 1]    per microbatch, from its F to the step's end
     input gradient   B·[c > 0]                        per microbatch, from its B/I's end to the step's end
+
+A hop between two chunks of one rank (V schedules) is counted alike: `_prepare_forward_infra` allocates without
+looking at ranks, though torch's runtime then hands the local input over directly (a small over-count there).
 """
 
 from __future__ import annotations
