@@ -230,9 +230,11 @@ def _whole_per_chunk(held: dict, key: tuple[int, int], recent: list, users: list
     return vec
 
 
-def _positions(schedule: Schedule, lookahead: int, weights: bool = False) -> _Positions:
+def _positions(schedule: Schedule, lookahead: int, weights: bool = False, retained: bool = False) -> _Positions:
     """The distinct memory states of every rank (`weights`: with the weight windows' positions, which only a
-    plan that may offload weights needs; without them fewer rows are distinct)."""
+    plan that may offload weights needs; `retained`: with the counts of forwards started and backwards ended,
+    which only a plan with MemoryPlan's forward/backward_retained_bytes needs; without them fewer rows are
+    distinct)."""
     n_chunks = schedule.num_stages
     away = _away_positions(schedule, lookahead) if weights else [np.zeros((len(r), n_chunks)) for r in schedule.ranks]
     rows_rank, rows_n, rows_r, rows_b, rows_w, rows_s, rows_sr, rows_f, rows_d = [], [], [], [], [], [], [], [], []
@@ -263,8 +265,8 @@ def _positions(schedule: Schedule, lookahead: int, weights: bool = False) -> _Po
                 s_vec[s] += 1
             rows_s.append(s_vec)
             rows_sr.append(_whole_per_chunk(stashed, key, recent_i, weights, actions, k, lookahead, n_chunks))
-            rows_f.append(started.copy())
-            rows_d.append(done.copy())
+            rows_f.append(started.copy() if retained else np.zeros(n_chunks))
+            rows_d.append(done.copy() if retained else np.zeros(n_chunks))
             if a.kind is Kind.I:
                 stashed[key] = None
                 recent_i.append(key)
@@ -424,7 +426,8 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     _copy_rows(rows, lp, col, ch, dag, lookahead, w_hi.any(), stash)
     _step_copy_rows(rows, col, ch, dag, _step_copy_s(costs, base), _base_step_s(base), sc.memory.optimizer != "hbm",
                     starts_away(schedule, lookahead))
-    pos = _positions(schedule, lookahead, bool(w_hi.any()))
+    retained = bool(base.forward_retained_bytes.any() or base.backward_retained_bytes.any())
+    pos = _positions(schedule, lookahead, bool(w_hi.any()), retained)
     _hbm_rows(rows, col, ch, pos, base, costs, schedule, host_states)
     _host_rows(rows, col, ch, pos, costs, schedule, host_states)
     rows.flush(lp)
