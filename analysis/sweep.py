@@ -148,7 +148,7 @@ def evaluate(
             "step_time_s": res.step_time_s,
             "bubble_ratio": res.bubble_ratio,
             "p2p_wait_share": res.p2p_wait_share,
-            "step_tail_share": 1.0 - res.makespan_s / res.step_time_s if res.step_time_s > 0 else 0.0,
+            "step_tail_share": max(0.0, 1.0 - res.makespan_s / res.step_time_s) if res.step_time_s > 0 else 0.0,
             "max_peak_hbm_bytes": float(res.peak_hbm_bytes.max()),
             "fits": fit.fits,
             "tightest_rank": fit.rank,

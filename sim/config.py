@@ -156,6 +156,12 @@ class TrainingConfig(_Section):
     optimizer: Literal["adam", "sgd"] = "adam"
     distributed_optimizer: bool = False
     """Shard fp32 master weights and optimizer state across data-parallel ranks (ZeRO-1; = parallel.zero 1)."""
+    optimizer_post_validation: bool = False
+    """No barrier before the optimizer step (the Zero Bubble fork's `--enable-optimizer-post-validation`): each
+    rank steps its optimizer as soon as its own backward work is done and validates the global gradient norm
+    and inf/NaN check afterwards, rolling back if needed, so the next step starts per rank and consecutive
+    steps overlap across ranks. The step time becomes the longest rank's own span (SimResult.step_time_s).
+    false: Megatron-LM's all-reduce of those checks across the pipeline ends every step on every rank."""
     optimizer_impl: Literal["fused", "foreach"] = "fused"
     """fused: one kernel per tensor group, no temporaries (Apex/TE FusedAdam in Megatron, torch fused AdamW);
     foreach: torch's multi-tensor Adam, which allocates one fp32 temporary per parameter during the step."""

@@ -41,6 +41,7 @@ class CostTable:
     detail: ChunkDetail | None = None
     step_tail_s: np.ndarray | None = None  # per rank: DP reduction + optimizer step after its last action
     p2p_blocking: bool = False  # a rank waits for each message it sends to arrive (interconnect.p2p_blocking)
+    post_validation: bool = False  # no end-of-step barrier (training.optimizer_post_validation; step_time_s)
 
     @property
     def num_chunks(self) -> int:
@@ -99,6 +100,7 @@ def _build_cost_table(sc: Scenario) -> CostTable:
             static_bytes=_per_chunk(c.static_bytes, chunks),
             p2p_s=float(c.p2p_s),
             p2p_blocking=sc.interconnect.p2p_blocking,
+            post_validation=sc.training.optimizer_post_validation,
             hbm_bytes=c.hbm_gib * 2**30 if c.hbm_gib is not None else math.inf,
             detail=ChunkDetail(
                 layers=np.ones(chunks),
@@ -122,6 +124,7 @@ def _build_cost_table(sc: Scenario) -> CostTable:
         static_bytes=mc.static_bytes,
         p2p_s=mc.p2p_s,
         p2p_blocking=sc.interconnect.p2p_blocking,
+        post_validation=sc.training.optimizer_post_validation,
         hbm_bytes=mc.hbm_bytes,
         tokens_per_microbatch=mc.tokens_per_microbatch,
         data_parallel=sc.parallel.dp,

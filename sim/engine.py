@@ -126,10 +126,18 @@ class SimResult:
     peak_at: list[PeakMoment] = field(default_factory=list)  # per rank: when its HBM peak happens, what is live
     step_end_s: float = 0.0  # when the last rank's DP reduction and optimizer step end (costs.step_tail_s)
     p2p_wait_s: np.ndarray | None = None  # per rank: time idle only because an input was still on the link
+    rank_span_s: np.ndarray | None = None  # per rank: its first action's start to its optimizer step's end
 
     @property
     def step_time_s(self) -> float:
-        """The whole training step: the pipeline's makespan, or later if a rank's step tail ends later."""
+        """The whole training step: the pipeline's makespan, or later if a rank's step tail ends later. With
+        optimizer post-validation (costs.post_validation) no barrier ends the step: each rank starts its next
+        step once its own optimizer step is done, so steps overlap across ranks and the steady-state time per
+        step is the longest rank's own span (first action's start to optimizer step's end), each rank's
+        timeline repeating shifted by it: every dependency inside the step keeps its slack and no rank runs
+        two steps at once."""
+        if self.costs.post_validation and self.rank_span_s is not None and len(self.rank_span_s):
+            return float(self.rank_span_s.max())
         return max(self.makespan_s, self.step_end_s)
 
     def copy_order(self) -> CopyOrder | None:
@@ -559,9 +567,11 @@ class _StepSimulation:
         when the last rank's step ends (SimResult.step_time_s); the pipeline's makespan, which the freeze
         planner reproduces, excludes it."""
         done = 0.0
+        self.span = [0.0] * len(self.rank_slices)
         for r, slots in enumerate(self.rank_slices):
             last = max((self.end[i] for i in slots), default=0.0)
             end = last + self.step_tail[r]
+            self.span[r] = end - min((self.start[i] for i in slots), default=0.0)
             back = self.step_weights[r]  # weights away at the step's end that a GPU optimizer updates in HBM
             if self.step_transient[r] or back:
                 self.live[r] += self.step_transient[r]
@@ -594,6 +604,7 @@ class _StepSimulation:
             end_s=np.asarray([self.end[i] for i in order]),
             busy_s=np.asarray(self.busy),
             p2p_wait_s=np.asarray(self.p2p_wait),
+            rank_span_s=np.asarray(self.span),
             peak_activation_bytes=np.asarray(self.peak_act),
             peak_hbm_bytes=np.asarray(self.peak_hbm),
             static_bytes=np.asarray(self.static),

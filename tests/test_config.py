@@ -113,3 +113,15 @@ def test_p2p_blocking_reaches_the_cost_table_in_both_forms():
     model = load_scenario(scenario_path("llama3-8b-pp4-h100"), {"interconnect.p2p_blocking": True})
     assert build_cost_table(explicit).p2p_blocking and build_cost_table(model).p2p_blocking
     assert not build_cost_table(load_scenario(scenario_path("explicit-unit"))).p2p_blocking
+
+
+def test_optimizer_post_validation_reaches_the_cost_table_in_both_forms():
+    """training.optimizer_post_validation is runtime semantics (no end-of-step barrier), for [costs] as for a
+    model; off by default (Megatron-LM's all-reduce before the optimizer step)."""
+    from sim.costs import build_cost_table
+
+    key = {"training.optimizer_post_validation": True}
+    explicit = load_scenario(scenario_path("explicit-unit"), key)
+    model = load_scenario(scenario_path("llama3-8b-pp4-h100"), key)
+    assert build_cost_table(explicit).post_validation and build_cost_table(model).post_validation
+    assert not build_cost_table(load_scenario(scenario_path("explicit-unit"))).post_validation

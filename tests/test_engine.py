@@ -188,3 +188,44 @@ def test_p2p_wait_is_part_of_the_bubble_and_zero_on_free_links(name):
     idle = slow.makespan_s - slow.busy_s
     assert (slow.p2p_wait_s > 0).any() and (slow.p2p_wait_s <= idle + 1e-9).all()
     assert 0 < slow.p2p_wait_share <= slow.bubble_ratio + 1e-12
+
+
+def test_post_validation_step_is_the_longest_rank_span():
+    """Optimizer post-validation (the Zero Bubble fork's --enable-optimizer-post-validation) drops the barrier
+    before the optimizer step, so each rank starts its next step after its own optimizer step. By hand, 1F1B on
+    two ranks, f = 1, b = 2 (timeline above), tails 0.5 and 3: rank 0 runs 0 .. 9 + 0.5, rank 1 runs 1 .. 7 + 3.
+    With the barrier the step ends at max(9.5, 10) = 10; without it the step repeats every max(9.5, 9) = 9.5."""
+    costs = replace(make_costs(2, 1, 2, f=1, i=1, w=1), step_tail_s=np.array([0.5, 3.0]))
+    sched = build_schedule("1f1b", 2, 2)
+    barrier = simulate(sched, costs)
+    assert barrier.step_time_s == 10.0
+    assert barrier.rank_span_s.tolist() == [9.5, 9.0]
+    assert simulate(sched, replace(costs, post_validation=True)).step_time_s == 9.5
+
+
+@pytest.mark.parametrize("name,v", ALL)
+def test_post_validation_step_between_busiest_rank_and_barrier_step(name, v):
+    """No rank runs two steps at once (step >= its busy time plus its tail) and dropping a barrier never slows
+    the step; 1F1B-shaped schedules, whose rank 0 starts first and ends last, gain nothing without tails."""
+    p, m = 4, 8
+    rng = np.random.default_rng(11)
+    n = p * v
+    costs = make_costs(p, v, m, f=rng.uniform(0.5, 2, n), i=rng.uniform(0.5, 2, n), w=rng.uniform(0, 1, n), p2p=0.1)
+    sched = build_schedule(name, p, m, v)
+    barrier = simulate(sched, costs)
+    free = simulate(sched, replace(costs, post_validation=True))
+    assert (barrier.busy_s <= free.step_time_s + 1e-12).all()
+    assert free.step_time_s <= barrier.step_time_s + 1e-12
+    if name == "1f1b":
+        assert free.step_time_s == pytest.approx(barrier.step_time_s, rel=1e-12)
+
+
+def test_post_validation_removes_zb_2p_start_delay():
+    """ZB-2p keeps every rank busy from its first action to its last, so without the barrier the last rank's
+    start delay leaves the step: on unit costs (f = i = w = 1), p = 4, m = 8, the barrier step is 3m + p - 1 =
+    27 (rank 3 starts at 3 and works 24), the post-validation step 3m = 24, each rank's own work: zero bubble."""
+    costs = make_costs(4, 1, 8, f=1, i=1, w=1)
+    sched = build_schedule("zb-2p", 4, 8)
+    assert simulate(sched, costs).step_time_s == 27.0
+    free = simulate(sched, replace(costs, post_validation=True))
+    assert free.step_time_s == 24.0 and free.busy_s.tolist() == [24.0] * 4
