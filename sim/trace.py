@@ -92,6 +92,8 @@ def simulation_summary(result: SimResult) -> dict[str, Any]:
     }
     if costs.step_tail_s is not None:  # per rank: DP reduction + optimizer step after its last action
         out["step_tail_s"] = [float(x) for x in costs.step_tail_s]
+    if costs.post_validation and result.rank_span_s is not None:  # the step is the longest of these
+        out["rank_span_s"] = [float(x) for x in result.rank_span_s]
     if result.stall_s is not None and result.stall_s.any():
         out["offload_stall_s"] = [float(x) for x in result.stall_s]
     if result.peak_dram_bytes is not None and (result.peak_dram_bytes.any() or result.peak_nvme_bytes.any()):

@@ -229,3 +229,11 @@ def test_post_validation_removes_zb_2p_start_delay():
     assert simulate(sched, costs).step_time_s == 27.0
     free = simulate(sched, replace(costs, post_validation=True))
     assert free.step_time_s == 24.0 and free.busy_s.tolist() == [24.0] * 4
+
+
+def test_summary_reports_rank_spans_under_post_validation():
+    from sim.trace import simulation_summary
+
+    costs = replace(make_costs(2, 1, 2, f=1, i=1, w=1), step_tail_s=np.array([0.5, 3.0]), post_validation=True)
+    summary = simulation_summary(simulate(build_schedule("1f1b", 2, 2), costs))
+    assert summary["rank_span_s"] == [9.5, 9.0] and summary["step_time_s"] == 9.5 and summary["makespan_s"] == 9
