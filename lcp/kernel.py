@@ -271,6 +271,22 @@ def _lcp(cols, lengths, has_len, j, qw, i, ql, per_word, bits):
     return out
 
 
+@_inline
+def _table_depth(starts, shift, half, bits, v, top, kk):
+    """(d*, lo, hi) for a query with first word v when |S_d| < kk for every d > top (top < the table's
+    tokens): d* = the largest d <= top with |S_d| >= kk (0 if none: S_0 is every row), and [lo, hi) =
+    S_{d*+1} read off the table (meaningful for 1 <= d* + 1 <= top; the caller handles d* + 1 beyond)."""
+    lo, hi = np.int64(0), np.int64(0)
+    for d in range(top, 0, -1):  # S_d = the buckets of the words sharing v's first d tokens
+        keep = -(np.int64(1) << (64 - d * bits))
+        a = np.int64(starts[((v & keep) >> shift) + half])
+        b = np.int64(starts[((v | ~keep) >> shift) + half + 1])
+        if b - a >= kk:
+            return d, lo, hi
+        lo, hi = a, b
+    return 0, lo, hi
+
+
 @_jit
 def _sort(a, m, tmp, counts):
     """Sort a[:m] (non-negative int64) in place: insertion sort up to SMALL, else an LSD radix sort by
@@ -525,7 +541,10 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
             if has_len:
                 _prefetch(lengths, ahead)
             reach = kk + 1 if table_tokens > 0 else kk + WALK
-            _prefetch_run(adj, ahead - reach, ahead + reach + 1)
+            if table_tokens > 0 and group_hi[j] - group_lo[j] < kk:  # as a rule its S_{d*+1}: walked alone
+                _prefetch_run(adj, max(ahead - reach, group_lo[j]), min(ahead + reach + 1, group_hi[j]))
+            else:
+                _prefetch_run(adj, ahead - reach, ahead + reach + 1)
             first, last = ahead - WALK, ahead + WALK + 1
             if table_tokens > 0:
                 first, last = max(first, group_lo[j]), min(last, group_hi[j])
@@ -536,30 +555,51 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
             p = _refine(cols, lengths, has_len, qw, i, full, ql, False, p, _run_end(cols, p, qw[i, 0]))
         cl = _lcp(cols, lengths, has_len, p - 1, qw, i, ql, per_word, bits) if p > 0 else -1
         cr = _lcp(cols, lengths, has_len, p, qw, i, ql, per_word, bits) if p < n else -1
-        # the LCPs of the kk + 1 nearest rows on either side: running minima of adj, one chain of
-        # independent loads per side (a merge that alternates sides makes each load wait for the last)
-        last, v = adj.shape[0] - 1, cl
-        for t in range(kk + 1):
-            left_lcp[t] = v
-            v = min(v, np.int64(adj[max(p - 2 - t, 0)])) if p - 2 - t >= 0 else -1
-        v = cr
-        for t in range(kk + 1):
-            right_lcp[t] = v
-            v = min(v, np.int64(adj[min(p + t, last)])) if p + t + 1 < n else -1
-        # d* = the kk-th largest of the two non-increasing lists = max over the i taken from the left
-        # of min(left[i - 1], right[kk - i - 1]); then how many of the kk each side gives: every row
-        # above d*, and of those at d* the left ones first (the merge's order, which the walks follow)
-        d = max(left_lcp[kk - 1], right_lcp[kk - 1])
-        for t in range(1, kk):
-            d = max(d, min(left_lcp[t - 1], right_lcp[kk - t - 1]))
-        gt_l, gt_r, eq_l = 0, 0, 0  # rows above d* on each side, rows at d* on the left
-        for t in range(kk):
-            gt_l += np.int64(left_lcp[t] > d)
-            gt_r += np.int64(right_lcp[t] > d)
-            eq_l += np.int64(left_lcp[t] == d)
-        nl = gt_l + min(eq_l, kk - gt_l - gt_r)
-        nr = kk - nl
-        cl, cr = left_lcp[nl], right_lcp[nr]  # the LCPs of the next row on either side
+        last = adj.shape[0] - 1
+        if table_tokens > 0 and (ql < table_tokens or group_hi[i] - group_lo[i] < kk):
+            # |S_{table_tokens}| < kk, so d* < table_tokens: |S_d| for each d below is two table entries,
+            # and the rows above d* are S_{d*+1}, a run of whole buckets too (fewer than kk rows): their
+            # LCPs are walked over that run only, not over kk + 1 rows a side (k = 1000 at N = 100k-5M)
+            d, lo, hi = _table_depth(starts, shift, half, bits, qw[i, 0], min(table_tokens - 1, ql), kk)
+            if d + 1 > ql:  # S_{d*+1} is empty: no row shares more tokens than the query has
+                lo, hi = p, p
+            elif d + 1 == table_tokens:
+                lo, hi = group_lo[i], group_hi[i]
+            gt_l, gt_r = p - lo, hi - p
+            v = cl
+            for t in range(gt_l):
+                left_lcp[t] = v
+                v = min(v, np.int64(adj[p - 2 - t])) if t < gt_l - 1 else v
+            v = cr
+            for t in range(gt_r):
+                right_lcp[t] = v
+                v = min(v, np.int64(adj[p + t])) if t < gt_r - 1 else v
+            nl, nr = 0, 0  # unused: S_{d*} is read off the table (d* < table_tokens) or is every row
+        else:
+            # the LCPs of the kk + 1 nearest rows on either side: running minima of adj, one chain of
+            # independent loads per side (a merge that alternates sides makes each load wait for the last)
+            v = cl
+            for t in range(kk + 1):
+                left_lcp[t] = v
+                v = min(v, np.int64(adj[max(p - 2 - t, 0)])) if p - 2 - t >= 0 else -1
+            v = cr
+            for t in range(kk + 1):
+                right_lcp[t] = v
+                v = min(v, np.int64(adj[min(p + t, last)])) if p + t + 1 < n else -1
+            # d* = the kk-th largest of the two non-increasing lists = max over the i taken from the left
+            # of min(left[i - 1], right[kk - i - 1]); then how many of the kk each side gives: every row
+            # above d*, and of those at d* the left ones first (the merge's order, which the walks follow)
+            d = max(left_lcp[kk - 1], right_lcp[kk - 1])
+            for t in range(1, kk):
+                d = max(d, min(left_lcp[t - 1], right_lcp[kk - t - 1]))
+            gt_l, gt_r, eq_l = 0, 0, 0  # rows above d* on each side, rows at d* on the left
+            for t in range(kk):
+                gt_l += np.int64(left_lcp[t] > d)
+                gt_r += np.int64(right_lcp[t] > d)
+                eq_l += np.int64(left_lcp[t] == d)
+            nl = gt_l + min(eq_l, kk - gt_l - gt_r)
+            nr = kk - nl
+            cl, cr = left_lcp[nl], right_lcp[nr]  # the LCPs of the next row on either side
         in_l, in_r = 0, 0  # rows above d* + 1
         while in_l < gt_l and left_lcp[in_l] > d + 1:
             in_l += 1

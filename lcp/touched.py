@@ -47,11 +47,12 @@ def kernel_bytes(index: LCPIndex, queries: torch.Tensor, k: int) -> float:
 
     The bucket table's entry and the bucket's first words replace the binary search; where d* is within
     the table's depth (`engine.table_tokens`) S_{d*} is two more table entries and adj is read only
-    over the window of d* (k + 1 entries), else adj is walked on to the ends of S_{d*} (at most WALK
-    rows a side, else two bucket searches); the ids of S_{d*+1}; the ids of S_{d*} read directly up to
-    the kernel's direct cap, else the tree as for the torch path; nothing for d* = 0 (the ids are
-    0, 1, 2, ...). The kernel visits queries in `engine.visiting_order` and reads a range shared with
-    the query before it once: the model counts it once too.
+    over the window of d* (k + 1 entries) — below that depth only over S_{d*+1} (< k entries) — else
+    adj is walked on to the ends of S_{d*} (at most WALK rows a side, else two bucket searches); the
+    ids of S_{d*+1}; the ids of S_{d*} read directly up to the kernel's direct cap, else the tree as
+    for the torch path; nothing for d* = 0 (the ids are 0, 1, 2, ...).
+    The kernel visits queries in `engine.visiting_order` and reads a range shared with the query
+    before it once: the model counts it once too.
     """
     from lcp.engine import bucket_bits, table_entry_bytes, table_tokens, visiting_order
     from lcp.kernel import CAP, WALK
@@ -67,7 +68,10 @@ def kernel_bytes(index: LCPIndex, queries: torch.Tensor, k: int) -> float:
     # the two entries bounding S_{d*}: 2^(bits - d*·token bits) entries apart
     apart = (2.0 ** (bits - d.clamp(max=max(depth, 0)) * index.fmt.bits)) * table_entry_bytes(n)
     entries = torch.where(apart < LINE, 1.0, 2.0)
-    walked = torch.where(tabled, float(kk + 1), torch.clamp(size, max=kk + 2 * WALK))
+    # d* below the table's depth (|S_depth| < k): adj only over S_{d*+1}, fewer than k rows
+    shallow = (d < depth) if depth > 0 else torch.zeros_like(tabled)
+    above = (at.gt_l + at.gt_r).double().cpu()
+    walked = torch.where(shallow, above, torch.where(tabled, float(kk + 1), torch.clamp(size, max=kk + 2 * WALK)))
     lines = search + 2 * w + _run(walked * index.adj.element_size())
     searched = ((size > kk + 2 * WALK) & ~tabled).double() * 2 * search  # the ends of S_{d*}, searched
     lines = lines + torch.where(tabled, entries, searched)
