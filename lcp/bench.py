@@ -5,7 +5,8 @@ in [0, L]) followed by random tokens, so the answers span every LCP. For each N 
 
 * build_s — wall time of `build` (packing only, for the scan and pairwise baselines);
 * p50_ms / p95_ms — per-query latency = (time of one batched `topk` call) / batch, over `repeats` calls
-  (process CPU time on the CPU, so that other jobs on a shared machine do not count; wall time on CUDA);
+  (process CPU time on the CPU, so that other jobs on a shared machine do not count; wall time on CUDA;
+  with `reuse_out` the index's timed calls write into one result tensor pair, topk's out=);
 * queries_per_s — batch / median call time; index_bytes — what the method holds (pairwise: plus the
   [batch × N] matrix it materialises, int16); joules_per_query — from NVML / RAPL counters, else empty;
 * bytes_per_query — the bytes a query touches (a model: lcp/touched.py; index, numpy and scan only) and
@@ -78,6 +79,7 @@ class BenchConfig:
     pairwise_budget_bytes: int | None = None  # None: half the available memory (90% free on CUDA)
     device: str = "cpu"
     seed: int = 0
+    reuse_out: bool = False  # the index writes into its previous result (topk's out=): no fresh pages per call
     notes: list[str] = field(default_factory=list, compare=False)  # refusals and skips, filled by run
 
     def __post_init__(self) -> None:
@@ -152,15 +154,25 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
 
 
 def _measure(
-    method: Any, queries: torch.Tensor, k: int, repeats: int, device: torch.device, meter: EnergyMeter | None
+    method: Any,
+    queries: torch.Tensor,
+    k: int,
+    repeats: int,
+    device: torch.device,
+    meter: EnergyMeter | None,
+    reuse_out: bool = False,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, float | None]]:
-    """Time `repeats` batched calls (after one warm-up call); per-query figures."""
+    """Time `repeats` batched calls (after one warm-up call); per-query figures. reuse_out (the index):
+    every timed call writes into the result of an untimed first full call (topk's out=)."""
     if not isinstance(method, Pairwise):
         method.topk(queries[: min(16, len(queries))], k)  # warm-up: allocator, lazy init
+    call = functools.partial(method.topk, queries, k)
+    if reuse_out:
+        call = functools.partial(call, out=method.topk(queries, k))
     times = []
     e0 = meter.joules() if meter else None
     for _ in range(repeats):
-        out, dt = _timed(lambda: method.topk(queries, k), device)
+        out, dt = _timed(call, device)
         times.append(dt)
     joules = (meter.joules() - e0) / (repeats * len(queries)) if meter and e0 is not None else None
     per_query_ms = np.array(times) * 1e3 / len(queries)
@@ -229,7 +241,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[int, int, str], None] | None
             timed = {"scan": small, "marisa": queries[: max(cfg.marisa_batch, cfg.scan_batch)]}.get(name, queries)
             repeats = cfg.scan_repeats if name in ("scan", "pairwise") else cfg.repeats
             try:
-                out, stats = _measure(method, timed, cfg.k, repeats, device, meter)
+                out, stats = _measure(method, timed, cfg.k, repeats, device, meter, cfg.reuse_out and name == "index")
             except LCPError as exc:  # pairwise: the [batch × N] matrix does not fit the budget
                 cfg.notes.append(f"N={n} {name}: {exc}")
                 rows.append({**base, "batch": len(timed), "index_bytes": method.bytes_needed(len(timed))})

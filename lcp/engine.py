@@ -151,8 +151,11 @@ class CPUEngine:
     def nbytes(self) -> int:
         return self.starts.numel() * self.starts.element_size()
 
-    def topk(self, queries: object, k: int, query_lengths: object, direct_cap: int | None) -> LCPTopK:
-        """LCPTopK of queries [B, L'] (or one query [L']) of any integer dtype; see LCPIndex.topk."""
+    def topk(
+        self, queries: object, k: int, query_lengths: object, direct_cap: int | None, out: LCPTopK | None = None
+    ) -> LCPTopK:
+        """LCPTopK of queries [B, L'] (or one query [L']) of any integer dtype; see LCPIndex.topk. `out`
+        (checked by LCPIndex.topk) is written in place of fresh arrays and returned."""
         queries, query_lengths, single = as_batch(queries, query_lengths)
         check_rows(queries, "queries")
         b, width = queries.shape
@@ -165,8 +168,11 @@ class CPUEngine:
             qlen = np.ascontiguousarray(lens.cpu().numpy(), dtype=np.int64)
         fmt, kern = self.fmt, self.kernel
         qw, qlen = kern.pack_queries(q, qlen, fmt.length, fmt.bits, fmt.lo, fmt.hi, fmt.words)
-        lcps = np.empty((b, k), dtype=np.int64)  # the kernel writes every entry
-        ids = np.empty((b, k), dtype=np.int64)
+        if out is None:
+            lcps = np.empty((b, k), dtype=np.int64)  # the kernel writes every entry
+            ids = np.empty((b, k), dtype=np.int64)
+        else:  # the caller's tensors (contiguous int64 of the answer's shape): numpy views of them
+            lcps, ids = out.lcps.numpy().reshape(b, k), out.ids.numpy().reshape(b, k)
         lev1, lev2, lev3, lev4 = self.offset_levels
         kern.topk(
             self.cols, self.ids, self.adj, self.lengths, self.has_lengths, fmt.length,
@@ -174,5 +180,7 @@ class CPUEngine:
             lev1, lev2, lev3, lev4, self.id_rows, self.id_starts, -1 if direct_cap is None else direct_cap,
             table_tokens(len(self.ids), fmt.bits, self.has_lengths), qw, qlen, visiting_order(qw[:, 0]), k, lcps, ids,
         )  # fmt: skip
+        if out is not None:
+            return out
         top = LCPTopK(torch.from_numpy(lcps), torch.from_numpy(ids))
         return LCPTopK(top.lcps[0], top.ids[0]) if single else top

@@ -165,6 +165,32 @@ def test_ranges_from_the_bucket_table():
     assert {0, 1, 2, 3} <= depths, depths  # S_1 and S_2 from the table, S_3 from the walk or searches
 
 
+@pytest.mark.parametrize("n", [5000, (1 << 19) + 3])
+def test_depth_below_the_table_read_off_it(n):
+    """|S_{table_tokens}| < k: d* and S_{d*+1} come from the bucket table and adj is walked over S_{d*+1}
+    only. Random byte rows (table_tokens 1 at N = 5,000, 2 at 2^19 + 3), k from below |S_tt| to above
+    |S_1| (d* = table_tokens - 1 down to 0), queries cut to 0, 1 or 2 tokens (shorter than the table's
+    depth: S_d is empty for d beyond the query) and queries equal to rows; against the torch engine."""
+    from lcp.engine import table_tokens
+
+    g = torch.Generator().manual_seed(n)
+    rows = torch.randint(0, 256, (n, 32), dtype=torch.uint8, generator=g)
+    rows[7:30] = rows[7]  # a duplicate group inside one S_tt
+    depth = table_tokens(n, 8, has_lengths=False)
+    assert depth == (1 if n < 1 << 19 else 2)
+    queries = torch.cat([rows[torch.randint(0, n, (150,), generator=g)],
+                         torch.randint(0, 256, (150, 32), dtype=torch.uint8, generator=g)])  # fmt: skip
+    queries[150:200, 0] = rows[torch.randint(0, n, (50,), generator=g), 0]  # shares the first token only
+    qls = torch.full((300,), 32)
+    qls[::5], qls[1::5], qls[2::10] = 0, 1, 2
+    fast, slow = build(rows, engine="numba"), build(rows, engine="torch")
+    for k in (1, 5, 30, 300, 1000, 3000, n + 4):
+        a, b = fast.topk(queries, k, qls), slow.topk(queries, k, qls)
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.lcps, b.lcps), k
+    d = slow.explain(queries, 1000, qls).d
+    assert (d < depth).any() and (d == 0).any()
+
+
 def test_visiting_order():
     """engine.visiting_order: a permutation of the batch, non-decreasing in the first word's high bits."""
     from lcp.engine import visiting_order

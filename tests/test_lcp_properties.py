@@ -57,6 +57,10 @@ def test_index_equals_brute_force(engine, case, direct_cap):
     want_ids, want_lcps = _expected(rows, lengths, queries, qls, k)
     assert isinstance(got, LCPTopK)
     assert torch.equal(got.ids, want_ids) and torch.equal(got.lcps, want_lcps)
+    # out=: written over whatever it held (here garbage), every entry, and returned as given
+    out = LCPTopK(torch.full_like(want_lcps, 77), torch.full_like(want_ids, 77))
+    assert index.topk(queries, k, qls, out=out) is out
+    assert torch.equal(out.ids, want_ids) and torch.equal(out.lcps, want_lcps)
 
 
 @SETTINGS

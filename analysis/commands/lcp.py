@@ -86,6 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu or cuda (default: cpu)")
     p.add_argument("--threads", type=_count, help="torch and numba CPU threads, >= 1 "
                    "(default: their choice; the compiled kernel runs on one thread either way)")  # fmt: skip
+    p.add_argument("--reuse-out", action="store_true", default=None,
+                   help="time the index writing into the previous call's result (topk's out=): no fresh "
+                   "result pages per call (default: fresh results, as a plain call)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="data seed (default: 0)")
     p.add_argument("--out", default="out/lcp-bench", help="output folder (default: out/lcp-bench)")
     from analysis.outputs import add_force_argument
@@ -155,7 +158,7 @@ def _bench(args: argparse.Namespace) -> int:
         "ns": args.n, "length": args.length, "dtype": args.dtype, "rows": args.rows, "k": args.k, "batch": args.batch,
         "scan_batch": args.scan_batch, "marisa_batch": args.marisa_batch, "repeats": args.repeats,
         "scan_repeats": args.scan_repeats, "trie_max_n": args.trie_max_n, "pairwise_max_n": args.pairwise_max_n,
-        "device": args.device, "seed": args.seed,
+        "device": args.device, "seed": args.seed, "reuse_out": args.reuse_out,
         "methods": tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods else None,
         "pairwise_budget_bytes": int(args.pairwise_budget_gib * 2**30) if args.pairwise_budget_gib else None,
     }  # fmt: skip
