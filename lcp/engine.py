@@ -8,7 +8,11 @@ the queries — no torch ops beyond reading the inputs — so a single query cos
 The engine adds one structure to the index, rebuilt whenever an index is built or loaded: a bucket table
 over the top `bucket_bits(N)` bits of the first packed word, `starts[b]` = first sorted row in bucket b
 (2^bits + 1 entries, int32 below 2^31 rows; bits = bit_length(N) − 4 in [2, 20]: 8–16 rows per bucket,
-0.25–0.5 bytes per row). Every binary search on the first words starts inside one bucket.
+0.25–0.5 bytes per row). Every binary search on the first words starts inside one bucket. And, where
+the rows sharing their first `table_tokens` tokens form groups of 32–256 rows on average (N = 2M–16M
+byte rows, 8k–64k at the one-token depth), each group's 16 smallest ids as uint8 offsets
+(`group_heads`: 16 bytes a group, at most 0.5 bytes per row), which answer k <= 16 at that depth
+without a selection.
 
 Compiled code is cached on disk by numba (`cache=True`): next to lcp/kernel.py in `__pycache__` when that
 is writable, else in the user's cache directory (`~/.cache/numba`), or under $NUMBA_CACHE_DIR when set; if
@@ -71,6 +75,33 @@ def table_tokens(n: int, token_bits: int, has_lengths: bool) -> int:
     table: d tokens lie within its bits, so S_d is a run of whole buckets. 0 with per-row lengths (a short
     row's padding would pass for tokens) and for 64-bit tokens."""
     return 0 if has_lengths or token_bits >= 64 else bucket_bits(n) // token_bits
+
+
+HEADS = 16  # smallest ids kept per group of rows sharing their first table_tokens tokens (k <= HEADS)
+HEAD_SPAN = 256  # groups of at most this many rows: a head is a uint8 offset into its group (lcp/kernel.py)
+HEAD_MIN_ROWS = 32  # built when groups hold this many rows on average (at most HEADS / 32 = 0.5 bytes per row)
+
+
+def group_heads(first_words: np.ndarray, ids: np.ndarray, group_bits: int) -> np.ndarray:
+    """heads uint8 [2^group_bits, HEADS]: for the rows whose first word's top `group_bits` bits are g
+    (one group: a run of sorted rows, as the bucket table's), the offsets from the group's first row of
+    its HEADS smallest ids, ascending by id — filled for groups of at most HEAD_SPAN rows (the kernel
+    checks the size), so that a query whose d* is the table's depth reads its k <= HEADS smallest ids
+    with k gathers instead of selecting among the group's ids (~76 at N = 5M). (0, HEADS) when the
+    groups are too small on average to be worth it (fewer than HEAD_MIN_ROWS rows: the selection
+    is over a few ids then) or too large for uint8 offsets."""
+    n, count = len(first_words), 1 << group_bits
+    if group_bits <= 0 or n < HEAD_MIN_ROWS * count or n > HEAD_SPAN * count:
+        return np.zeros((0, HEADS), np.uint8)
+    group = (first_words >> (64 - group_bits)) + (1 << (group_bits - 1))  # (N,) non-decreasing
+    first = np.searchsorted(group, np.arange(count + 1))  # (G + 1,) each group's first row
+    by_id = np.argsort((group << 32) | ids.astype(np.int64), kind="stable")  # groups in order, ids ascending
+    rank = np.arange(n) - first[group[by_id]]  # rank by id within its group
+    size = np.diff(first)[group[by_id]]
+    keep = (rank < HEADS) & (size <= HEAD_SPAN)
+    heads = np.zeros((count, HEADS), np.uint8)
+    heads[group[by_id][keep], rank[keep]] = (by_id - first[group[by_id]])[keep]
+    return heads
 
 
 def table_entry_bytes(n: int) -> int:
@@ -146,10 +177,13 @@ class CPUEngine:
         self.offset_levels = [offsets(j, dt, w) for j, dt, w in OFFSET_LEVELS]
         self.id_rows = tree.id_rows.numpy()
         self.id_starts = np.asarray(tree.id_row_starts, dtype=np.int64)
+        depth = table_tokens(index.n, index.fmt.bits, self.has_lengths)
+        self.group_bits = depth * index.fmt.bits
+        self.heads = group_heads(self.cols[0], self.ids, self.group_bits)
 
     @property
     def nbytes(self) -> int:
-        return self.starts.numel() * self.starts.element_size()
+        return self.starts.numel() * self.starts.element_size() + self.heads.nbytes
 
     def topk(
         self, queries: object, k: int, query_lengths: object, direct_cap: int | None, out: LCPTopK | None = None
@@ -178,7 +212,8 @@ class CPUEngine:
             self.cols, self.ids, self.adj, self.lengths, self.has_lengths, fmt.length,
             fmt.per_word, fmt.bits, self.starts.numpy(), 64 - self.bits, 1 << (self.bits - 1),
             lev1, lev2, lev3, lev4, self.id_rows, self.id_starts, -1 if direct_cap is None else direct_cap,
-            table_tokens(len(self.ids), fmt.bits, self.has_lengths), qw, qlen, visiting_order(qw[:, 0]), k, lcps, ids,
+            table_tokens(len(self.ids), fmt.bits, self.has_lengths), self.heads, 64 - self.group_bits,
+            1 << max(self.group_bits - 1, 0), qw, qlen, visiting_order(qw[:, 0]), k, lcps, ids,
         )  # fmt: skip
         if out is not None:
             return out

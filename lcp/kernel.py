@@ -16,6 +16,8 @@ read neighbouring rows and often share their ranges.
    walking outward, LCP(q, s_{p-1-i}) = min(LCP(q, s_{p-1}), adj[p-2], …, adj[p-1-i]) and symmetrically
    on the right, so both sides are non-increasing and d* is the k-th value of their merge: k branch-free
    steps, each reading one byte of `adj`.
+   Where |S_{table_tokens}| < k, d* < table_tokens: |S_d| is read off the table for each d below, and
+   only S_{d*+1} (fewer than k rows) is walked on `adj` instead of k + 1 rows a side.
 3. *S_{d\\*}.* Where d* <= table_tokens (d* tokens within the table's bits; rows of full length), a run
    of whole buckets: two table entries (for d* = table_tokens, read in the first pass). Else the walk
    goes on while the LCP stays >= d* (at most WALK rows per side), and the range's ends are
@@ -25,10 +27,12 @@ read neighbouring rows and often share their ranges.
    less the deeper ones; the rows at d* are the k smallest ids of S_{d*} less those of S_{d*+1} (a merge
    of two ascending lists). The k smallest ids of S_{d*}: 0, 1, 2, … for d* = 0; for a range of at most
    `direct_cap` rows (default max(8k, 512)) a byte histogram that keeps those below the k-th and a radix
-   sort; for a wider one (k <= CAP) a k-way merge over the truncated merge-sort tree of lcp/smallest.py
-   (two partial blocks, at most two nodes per level, each sorted by id, read only as far as needed);
-   computed once per run of queries sharing the range (one cache for each of the two ways, since the
-   queries whose d* is shallower than their neighbours' recur between them).
+   sort — except where d* is the table's depth, k <= 16 and the group S_{d*} has its heads
+   (lcp/engine.py, `group_heads`: its 16 smallest ids as offsets, built when groups hold 32-256 rows
+   on average): then k gathers; for a wider one (k <= CAP) a k-way merge over the truncated merge-sort
+   tree of lcp/smallest.py (two partial blocks, at most two nodes per level, each sorted by id, read
+   only as far as needed); computed once per run of queries sharing the range (one cache for each of
+   the two ways, since the queries whose d* is shallower than their neighbours' recur between them).
 
 Everything is int64 arithmetic on numpy views of the index's tensors; the loop runs on the calling
 thread, so the kernel uses one core whatever torch's thread count is.
@@ -48,6 +52,7 @@ CAP = 1024  # entries per tree node: the merge answers k <= CAP
 SMALL = 32  # arrays up to this size are insertion-sorted
 AHEAD = 8  # queries ahead whose memory is prefetched: a query's misses overlap the ones before it
 FAR = 16  # queries ahead whose bucket-table entry is prefetched (read AHEAD to prefetch the bucket)
+HEAD_SPAN = 256  # as lcp/engine.py: groups of at most this many rows have heads (uint8 offsets)
 WALK = 64  # rows walked beyond the k-th on each side before the range's end is searched instead
 _MAX = np.iinfo(np.int64).max
 _SIGN = np.uint64(1 << 63)
@@ -489,8 +494,8 @@ def _emit(src, m, skip, n_skip, out, row, start, stop):
 
 @_jit
 def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift, half,
-         lev1, lev2, lev3, lev4, id_rows, id_starts, direct_cap, table_tokens, qw, qlen, order, k, out_lcps,
-         out_ids):
+         lev1, lev2, lev3, lev4, id_rows, id_starts, direct_cap, table_tokens, group_heads, head_shift, head_half,
+         qw, qlen, order, k, out_lcps, out_ids):
     """Fill out_lcps / out_ids [B, >= min(k, N)] (pre-filled with -1) with each query's exact top-k.
 
     Queries are visited in `order` (sorted by first word: neighbours in the sorted rows, so that the
@@ -549,6 +554,8 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
             if table_tokens > 0:
                 first, last = max(first, group_lo[j]), min(last, group_hi[j])
             _prefetch_run(ids, first, last)
+            if group_heads.shape[0] > 0:
+                _prefetch_at(group_heads, (qw[j, 0] >> head_shift) + head_half, 0)
         i = order[ii]
         ql, p = qlen[i], points[i]
         if refine and p < n and cols[0, p] == qw[i, 0]:  # rows share the first word: search their run
@@ -671,6 +678,12 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
         direct = hi - lo <= cap or kk > CAP  # read the range's ids, else the tree
         if direct and (lo != cached_lo or hi != cached_hi):  # the kk smallest ids of [lo, hi), ascending
             cached_lo, cached_hi = lo, hi
+            if d == table_tokens and kk <= group_heads.shape[1] and hi - lo <= HEAD_SPAN and group_heads.shape[0] > 0:
+                g = (qw[i, 0] >> head_shift) + head_half  # [lo, hi) is this group: its heads, kk gathers
+                for t in range(kk):
+                    cached[t] = np.int64(ids[lo + np.int64(group_heads[g, t])])
+                _emit(cached, kk, above, n_above, out_ids, i, n_above, kk)
+                continue
             if hi - lo > buf.shape[0]:
                 buf, tmp = np.empty(hi - lo, np.int64), np.empty(hi - lo, np.int64)
             low, high = _MAX, np.int64(0)  # their extremes, for the histogram

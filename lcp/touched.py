@@ -50,11 +50,12 @@ def kernel_bytes(index: LCPIndex, queries: torch.Tensor, k: int) -> float:
     over the window of d* (k + 1 entries) — below that depth only over S_{d*+1} (< k entries) — else
     adj is walked on to the ends of S_{d*} (at most WALK rows a side, else two bucket searches); the
     ids of S_{d*+1}; the ids of S_{d*} read directly up to the kernel's direct cap, else the tree as
-    for the torch path; nothing for d* = 0 (the ids are 0, 1, 2, ...).
+    for the torch path, plus the group heads' line where they answer; nothing for d* = 0 (the ids are
+    0, 1, 2, ...).
     The kernel visits queries in `engine.visiting_order` and reads a range shared with the query
     before it once: the model counts it once too.
     """
-    from lcp.engine import bucket_bits, table_entry_bytes, table_tokens, visiting_order
+    from lcp.engine import HEAD_SPAN, HEADS, bucket_bits, table_entry_bytes, table_tokens, visiting_order
     from lcp.kernel import CAP, WALK
 
     n, w, kk = index.n, index.fmt.words, min(k, index.n)
@@ -84,6 +85,9 @@ def kernel_bytes(index: LCPIndex, queries: torch.Tensor, k: int) -> float:
     cap = max(8 * kk, 512) if index.direct_cap is None else index.direct_cap
     direct = _run(size * index.ids.element_size())
     ties = torch.where((size <= cap) | (kk > CAP), direct, _tree_lines(index, size, kk))
+    heads = index._engine is not None and index._engine.heads.shape[0] > 0
+    if heads:  # the group heads' line (the group's ids are still read: prefetched whole)
+        ties = ties + ((d == depth) & (size <= HEAD_SPAN) & (kk <= HEADS)).double()
     ties = torch.where(d == 0, 0.0, ties) * _first_of_runs(order, at.lo.cpu(), at.hi.cpu())
     return float((lines + ties).mean()) * LINE
 

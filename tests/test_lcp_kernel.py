@@ -191,6 +191,56 @@ def test_depth_below_the_table_read_off_it(n):
     assert (d < depth).any() and (d == 0).any()
 
 
+def test_group_heads_are_each_groups_smallest_ids():
+    """engine.group_heads against a sort of each group's ids: groups of 0, 1, fewer than HEADS, between
+    HEADS and HEAD_SPAN and beyond HEAD_SPAN rows (left unfilled: the kernel selects there)."""
+    from lcp.engine import HEAD_SPAN, HEADS, group_heads
+
+    g = np.random.default_rng(5)
+    sizes = np.concatenate([[0, 1, 5, HEADS, HEADS + 1, HEAD_SPAN, HEAD_SPAN + 1], g.integers(32, 90, 249)])
+    group = np.repeat(np.arange(256), sizes)  # the group of each sorted row: non-decreasing
+    first_words = ((group - 128) << 56) | g.integers(0, 1 << 56, len(group))
+    first_words.sort()
+    ids = g.permutation(len(group)).astype(np.int32)
+    heads = group_heads(first_words, ids, 8)
+    assert heads.shape == (256, HEADS) and heads.dtype == np.uint8
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    for b in range(256):
+        lo, hi = starts[b], starts[b + 1]
+        if hi - lo > HEAD_SPAN:
+            continue
+        m = min(hi - lo, HEADS)
+        assert np.array_equal(ids[lo + heads[b, :m].astype(np.int64)], np.sort(ids[lo:hi])[:m]), b
+    few = np.sort(g.integers(-(2**63), 2**63 - 1, 1000))  # 4 rows a group on average: not worth it
+    assert group_heads(few, np.arange(1000, dtype=np.int32), 8).shape == (0, HEADS)
+
+
+def test_ties_from_the_group_heads():
+    """N = 20,000 byte rows: table_tokens = 1 and ~78 rows per first byte, so the group heads are built
+    and answer every k <= HEADS whose d* is 1, read as k gathers; a group of 700 rows (beyond
+    HEAD_SPAN: selected instead), one of 5 rows (fewer than k for k > 5: d* = 0) and duplicate rows.
+    Against brute force, and the same index with the heads removed."""
+    from lcp.engine import HEADS
+
+    g = torch.Generator().manual_seed(11)
+    rows = torch.randint(0, 256, (20_000, 32), dtype=torch.uint8, generator=g)
+    rows[:700, 0] = 5
+    rows[(rows[:, 0] == 7).nonzero()[5:, 0], 0] = 8
+    rows[900:930] = rows[900]
+    queries = torch.cat([rows[torch.randint(0, 20_000, (200,), generator=g)],
+                         torch.randint(0, 256, (100, 32), dtype=torch.uint8, generator=g)])  # fmt: skip
+    queries[:20, 0], queries[20:40, 0], queries[40:50] = 5, 7, rows[900]
+    queries[60:200, 1:] = torch.randint(0, 256, (140, 31), dtype=torch.uint8, generator=g)  # d* = 1 mostly
+    index = build(rows, engine="numba")
+    assert index._engine.heads.shape == (256, HEADS)
+    plain = build(rows, engine="numba")
+    plain._engine.heads = plain._engine.heads[:0]  # no heads: every tie range selected
+    for k in (1, 2, 5, 6, 10, HEADS, HEADS + 1, 40):
+        assert_exact(index, rows, queries, k)
+        a, b = index.topk(queries, k), plain.topk(queries, k)
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.lcps, b.lcps), k
+
+
 def test_visiting_order():
     """engine.visiting_order: a permutation of the batch, non-decreasing in the first word's high bits."""
     from lcp.engine import visiting_order
