@@ -176,3 +176,28 @@ def test_bench_threads_reach_numba(tmp_path):
     finally:
         if numba:
             numba.set_num_threads(before)
+
+
+def test_bench_reuse_out_times_the_index_into_one_result(tmp_path, monkeypatch):
+    """--reuse-out: every timed index call gets `out=` (the same pair each time, from an untimed call),
+    the answers still pass the check against the scan, and meta.json records the flag."""
+    import json
+
+    from lcp.index import LCPIndex
+
+    seen = []
+    real = LCPIndex.topk
+
+    def spy(self, queries, k, query_lengths=None, *, out=None):
+        seen.append(None if out is None else (out.lcps.data_ptr(), out.ids.data_ptr()))
+        return real(self, queries, k, query_lengths, out=out)
+
+    monkeypatch.setattr(LCPIndex, "topk", spy)
+    out = tmp_path / "bench"
+    argv = ["lcp", "bench", "--n", "500", "--length", "8", "--batch", "32", "--scan-batch", "4", "--methods",
+            "index,scan", "--repeats", "3", "--reuse-out", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    timed = [s for s in seen if s is not None]
+    assert len(timed) == 3 and len(set(timed)) == 1  # three timed calls, one reused pair
+    assert json.loads((out / "meta.json").read_text())["config"]["reuse_out"] is True
+    assert (pd.read_csv(out / "bench.csv").set_index("method").loc["index", "p50_ms"]) > 0
