@@ -95,6 +95,9 @@ def run_memory(sc: Scenario, schedule: Schedule, choice: MemoryChoice | None = N
         raise PipeplanError(f"{field}: the runtime does not offload the W stash (the plan moves "
                             f"{plan.stash_offload_bytes.max() / 2**20:.1f} MiB of a chunk's stash); allowed: "
                             "memory.offload_stash = 0, or a planned step without stash offload")
+    if plan.layer_copies and plan.offloads:  # torch's saved-tensor offload here moves a chunk's activations at once
+        raise PipeplanError('memory.copy_granularity: the runtime copies a chunk-microbatch\'s activations as one '
+                            'copy; allowed: "chunk"')
     if resolved.choice is None:
         chunks = [ChunkMemory(p.removeprefix("chronos:"), mem.offload_activations, None, p) for p in plan.policy]
         for c in chunks:

@@ -402,6 +402,11 @@ class MemoryConfig(_Section):
     prefetch_lookahead actions apart (and across the step boundary) and are prefetched on the copy engine
     before the next use. none | all | auto (the memory MILP chooses per chunk; needs plan = true) | one bool
     per chunk."""
+    copy_granularity: Literal["chunk", "layer"] = "chunk"
+    """How an offloaded activation or W-stash copy moves: chunk (one copy per chunk and microbatch, after the
+    producing action ends and before the consumer starts) | layer (layer by layer: the copy out starts when the
+    producer's first offloaded layer is done, and the consumer runs its layers that need nothing from the host
+    while the rest comes back; sim.graph.layer_copy). The runtime and the freeze planner take chunk only."""
     plan: bool = False
     """Let the MILP memory planner choose recompute/offload per chunk (ignores recompute/offload_activations)."""
 

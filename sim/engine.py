@@ -42,7 +42,19 @@ import simpy
 
 from sim.costs import CostTable, per_rank_sum
 from sim.errors import ScheduleError
-from sim.graph import STASH_KINDS, CopyOrder, SideTask, prefetch_issuer, side_chains, step_structure, weight_windows
+from sim.graph import (
+    STASH_KINDS,
+    CopyOrder,
+    LayerCopy,
+    SideTask,
+    action_recompute_s,
+    activation_nvme,
+    layer_copy,
+    prefetch_issuer,
+    side_chains,
+    step_structure,
+    weight_windows,
+)
 from sim.ir import BACKWARD_KINDS, Action, Kind, Schedule
 from sim.memory_plan import MemoryPlan, keep_everything
 
@@ -318,6 +330,9 @@ class _StepSimulation:
         self.copy_end = 0.0
         self.copy_log: list[list] = []  # [rank, stream, what, action index or -1, stage, start, end] at grant
         self.side_chains = side_chains(schedule, mem)  # work that follows an action off the compute stream
+        self.layer_out, self.layer_in = self._layer_copies()  # memory.copy_granularity = "layer"
+        self.granted: dict[int, simpy.Event] = {}  # layer-wise consumer -> its prefetch has started
+        self.fetch_span: dict[int, tuple[float, float]] = {}  # consumer -> its prefetch's (start, end)
 
     # ---- memory ------------------------------------------------------------------------------------------
     def _record(self, rank: int, at: float, during: str = "") -> None:
@@ -353,11 +368,21 @@ class _StepSimulation:
     def _copy_s(self, stage: int, nbytes: float) -> float:
         return nbytes / (self.mem.nvme_bps if self.mem.offload_nvme[stage] else self.mem.host_link_bps)
 
-    def _copy_out(self, i: int, rank: int, label: str, nbytes: float, seconds: float, to_host, done):
-        """After action i: copy `nbytes` to host on the d2h engine (FIFO), then `to_host(nbytes)` and release
-        them from HBM; `done` fires either way."""
+    def _copy_out(self, i: int, rank: int, label: str, nbytes: float, seconds: float, to_host, done,
+                  lc: LayerCopy | None = None):
+        """After action i (layer by layer, `lc`: from its first layer on, sim.graph.LayerCopy): copy `nbytes`
+        to host on the d2h engine (FIFO), then `to_host(nbytes)` and release them from HBM; `done` fires
+        either way."""
+        end_at = 0.0
+        if lc is not None:  # spawned as i starts: queued when its first layer is done
+            queue, end = lc.out_offsets(action_recompute_s(self.mem, self.actions[i]), self.duration[i])
+            end_at = self.start[i] + end
+            if self.start[i] + queue > self.env.now:
+                yield self.env.timeout(self.start[i] + queue - self.env.now)
         with self.d2h[rank].request() as req:
             yield req
+            if end_at - seconds > self.env.now:  # the engine waits for the last piece to be made
+                yield self.env.timeout(end_at - seconds - self.env.now)
             entry = self._log(rank, "d2h", label, i, self.actions[i].stage)
             if nbytes > 0:
                 yield self.env.timeout(seconds)
@@ -375,6 +400,9 @@ class _StepSimulation:
         with self.h2d[rank].request() as req:
             yield req
             entry = self._log(rank, "h2d", label, user, self.actions[user].stage)
+            self.fetch_span[user] = (self.env.now, self.env.now + (seconds if nbytes > 0 else 0.0))
+            if user in self.granted:
+                self.granted[user].succeed()
             if nbytes > 0:
                 self._allocate(rank, nbytes, self.env.now, owner)
                 yield self.env.timeout(seconds)
@@ -383,12 +411,12 @@ class _StepSimulation:
             to_host(-nbytes)
         done.succeed()
 
-    def _offload(self, f: int, rank: int):
+    def _offload(self, f: int, rank: int, lc: LayerCopy | None):
         """After F: copy the offloadable part of its activations to host (FIFO), then release it from HBM."""
         stage = self.actions[f].stage
         nbytes = float(self.mem.offload_bytes[stage])
         yield from self._copy_out(f, rank, "offload", nbytes, self._copy_s(stage, nbytes),
-                                  lambda d: self._move_host(rank, stage, d), self.copied[f])
+                                  lambda d: self._move_host(rank, stage, d), self.copied[f], lc)
 
     def _prefetch(self, b: int, rank: int):
         """Before B/I: wait for the copy out, then bring the activations back (FIFO), HBM allocated first."""
@@ -401,12 +429,31 @@ class _StepSimulation:
     def _dram(self, rank: int, delta: float) -> None:
         self.dram[rank] += delta
 
-    def _offload_stash(self, i: int, rank: int):
+    def _offload_stash(self, i: int, rank: int, lc: LayerCopy | None):
         """After I: copy the offloadable part of its W stash to DRAM (FIFO with the forwards' copies), then
         release it from HBM."""
         nbytes = self.stash_off[self.actions[i].stage]
         yield from self._copy_out(i, rank, "stash-offload", nbytes, nbytes / self.mem.host_link_bps,
-                                  lambda d: self._dram(rank, d), self.stash_copied[i])
+                                  lambda d: self._dram(rank, d), self.stash_copied[i], lc)
+
+    def _layer_copies(self) -> tuple[dict[int, LayerCopy], dict[int, LayerCopy]]:
+        """Per action, how its copy out (F: activations, I: W stash) and its prefetch (B/I: activations, W: its
+        stash) move when they move layer by layer (sim.graph.layer_copy); absent: the whole-chunk rule."""
+        out: dict[int, LayerCopy] = {}
+        into: dict[int, LayerCopy] = {}
+        if not self.mem.layer_copies:
+            return out, into
+        nvme = activation_nvme(self.mem)
+        for i, a in enumerate(self.actions):
+            c = a.stage
+            act = layer_copy(self.mem, c, float(self.mem.offload_bytes[c]), nvme=bool(nvme[c])) \
+                if self.offloads else None
+            stash = layer_copy(self.mem, c, self.stash_off[c], stash=True) if self.stashes else None
+            for table, lc in ((out, act if a.kind is Kind.F else stash if a.kind is Kind.I else None),
+                              (into, act if a.kind in BACKWARD_KINDS else stash if a.kind is Kind.W else None)):
+                if lc is not None:
+                    table[i] = lc
+        return out, into
 
     def _prefetch_stash(self, w: int, rank: int):
         """Before W: wait for its I's stash copy out, then bring the stash back (FIFO), HBM allocated first."""
@@ -517,19 +564,34 @@ class _StepSimulation:
                 fetched = i in self.issuer  # a B/I with activation offload, a W with stash offload
                 if fetched and i not in self.prefetched:
                     self._issue_prefetches(rank, self.issuer[i])
-                for event in (gate, self.prefetched.get(i) if fetched else None, self.weights_back.get(i)):
+                layered = self.layer_in.get(i) if fetched else None
+                whole = self.prefetched.get(i) if fetched and layered is None else None
+                for event in (gate, whole, self.weights_back.get(i)):
                     if event is not None:
                         yield from self._wait(event, rank, ready)
                         ready = max(ready, env.now)
                 if ready > env.now:
                     yield env.timeout(ready - env.now)
-                self._issue_prefetches(rank, i)
+                if layered is not None:  # start as sim.graph.LayerCopy.in_offsets says
+                    if i not in self.fetch_span:
+                        self.granted[i] = env.event()
+                        yield self.granted[i]
+                    (p0, p1), dur = self.fetch_span[i], self.duration[i]
+                    after_start, after_end = layered.in_offsets(action_recompute_s(self.mem, acts[i]), dur)
+                    begin = max(env.now, p0 + after_start, p1 + after_end)
+                    self.stall[rank] += begin - ready
+                    ready = begin
+                    if ready > env.now:
+                        yield env.timeout(ready - env.now)
+                self._issue_prefetches(rank, i)  # as i starts
             dur = self.duration[i]
             if kind is Kind.F:
                 self._allocate(rank, self.kept[i] + self.f_left[acts[i].stage], ready, i)
             elif backward and self.transient[acts[i].stage] > 0:
                 self._allocate(rank, float(self.transient[acts[i].stage]), ready, i)
             self.start[i] = ready
+            if i in self.layer_out:  # the copy out is queued from the first layer on
+                self._copy_after(i, rank, kind, self.layer_out[i])
             wait = ready - env.now + dur
             if wait > 0:
                 yield env.timeout(wait)
@@ -548,17 +610,23 @@ class _StepSimulation:
             for chunk in self.release_weights.get(i, ()):
                 self.away[rank] += self.weight_bytes[chunk]
                 self._record(rank, env.now)
-            if offloads and kind is Kind.F:
-                self.rank_forwards[rank].append(i)
-                env.process(self._offload(i, rank))
-            elif self.stashes and kind is Kind.I:
-                self.rank_splits[rank].append(i)
-                env.process(self._offload_stash(i, rank))
+            if i not in self.layer_out:
+                self._copy_after(i, rank, kind, None)
             if i in self.side_chains:
                 env.process(self._side_chain(self.side_chains[i], rank))
             if self.costs.p2p_blocking and self.arrive[i] > env.now:  # the sender waits for its send
                 self.p2p_wait[rank] += self.arrive[i] - env.now
                 yield env.timeout(self.arrive[i] - env.now)
+
+    def _copy_after(self, i: int, rank: int, kind: Kind, lc: LayerCopy | None) -> None:
+        """Queue action i's copy out: an F's activations, an I's W stash (whole after it ends, or layer by layer
+        from its start)."""
+        if self.offloads and kind is Kind.F:
+            self.rank_forwards[rank].append(i)
+            self.env.process(self._offload(i, rank, lc))
+        elif self.stashes and kind is Kind.I:
+            self.rank_splits[rank].append(i)
+            self.env.process(self._offload_stash(i, rank, lc))
 
     def _optimizer_step(self) -> float:
         """After each rank's last action: its DP reduction and optimizer step (costs.step_tail_s) and the step's

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from enum import IntEnum
@@ -359,32 +360,118 @@ def add_copies(g: GraphBuilder, mem: MemoryPlan, copies: CopyOrder) -> None:
 
 
 def add_activation_copies(g: GraphBuilder, mem: MemoryPlan) -> None:
-    """An offload after every F, a prefetch before every B/I (after that F's offload)."""
+    """An offload after every F, a prefetch before every B/I (after that F's offload); layer by layer with
+    memory.copy_granularity = "layer" (layer_copy)."""
     st = g.structure
-    nvme = mem.offload_nvme if mem.offload_nvme is not None else np.zeros(len(mem.offload_bytes), bool)
+    nvme = activation_nvme(mem)
     copy_s = mem.offload_bytes / np.where(nvme, mem.nvme_bps, mem.host_link_bps)  # per chunk
     for i, a in enumerate(st.actions):
         if a.kind is Kind.F:
-            g.add_edge(i, g.add_node(NodeKind.OFFLOAD, ("offload", a), copy_s[a.stage]))
+            _add_copy_out(g, mem, i, g.add_node(NodeKind.OFFLOAD, ("offload", a), copy_s[a.stage]),
+                          layer_copy(mem, a.stage, float(mem.offload_bytes[a.stage]), nvme=bool(nvme[a.stage])))
     for i, a in enumerate(st.actions):
         if a.kind in BACKWARD_KINDS:
             q = g.add_node(NodeKind.PREFETCH, ("prefetch", a), copy_s[a.stage])
             g.add_edge(g.keys[("offload", st.actions[st.forward_of[i]])], q)
-            g.add_edge(q, i)
+            _add_copy_in(g, mem, q, i,
+                         layer_copy(mem, a.stage, float(mem.offload_bytes[a.stage]), nvme=bool(nvme[a.stage])))
 
 
 def add_stash_copies(g: GraphBuilder, mem: MemoryPlan) -> None:
-    """A stash offload after every I, a stash prefetch before every W (after that I's stash offload)."""
+    """A stash offload after every I, a stash prefetch before every W (after that I's stash offload); layer by
+    layer with memory.copy_granularity = "layer" (layer_copy)."""
     st = g.structure
     copy_s = mem.stash_offload_bytes / mem.host_link_bps  # per chunk
     for i, a in enumerate(st.actions):
         if a.kind is Kind.I:
-            g.add_edge(i, g.add_node(NodeKind.STASH_OFFLOAD, ("stash-offload", a), copy_s[a.stage]))
+            _add_copy_out(g, mem, i, g.add_node(NodeKind.STASH_OFFLOAD, ("stash-offload", a), copy_s[a.stage]),
+                          layer_copy(mem, a.stage, float(mem.stash_offload_bytes[a.stage]), stash=True))
     for i, a in enumerate(st.actions):
         if a.kind is Kind.W:
             q = g.add_node(NodeKind.STASH_PREFETCH, ("stash-prefetch", a), copy_s[a.stage])
             g.add_edge(g.keys[("stash-offload", st.actions[st.split_of(i)])], q)
-            g.add_edge(q, i)
+            _add_copy_in(g, mem, q, i, layer_copy(mem, a.stage, float(mem.stash_offload_bytes[a.stage]), stash=True))
+
+
+def _add_copy_out(g: GraphBuilder, mem: MemoryPlan, x: int, q: int, lc: LayerCopy | None) -> None:
+    """Copy node q after its producer x: when x ends, or (layer by layer) as LayerCopy.out_offsets says."""
+    if lc is None:
+        g.add_edge(x, q)
+        return
+    dur = g.duration[x]
+    request, end = lc.out_offsets(action_recompute_s(mem, g.structure.actions[x]), dur)
+    g.add_edge(x, q, request - dur)  # start(q) >= start(x) + request
+    g.add_edge(x, q, end - dur - g.duration[q])  # finish(q) >= start(x) + end
+
+
+def _add_copy_in(g: GraphBuilder, mem: MemoryPlan, q: int, y: int, lc: LayerCopy | None) -> None:
+    """Consumer y after its prefetch q: when q ends, or (layer by layer) as LayerCopy.in_offsets says."""
+    if lc is None:
+        g.add_edge(q, y)
+        return
+    after_start, after_end = lc.in_offsets(action_recompute_s(mem, g.structure.actions[y]), g.duration[y])
+    g.add_edge(q, y, after_start - g.duration[q])
+    g.add_edge(q, y, after_end)
+
+
+def activation_nvme(mem: MemoryPlan) -> np.ndarray:
+    """Per chunk: its offloaded activations go to NVMe (else DRAM)."""
+    return mem.offload_nvme if mem.offload_nvme is not None else np.zeros(len(mem.offload_bytes), bool)
+
+
+def action_recompute_s(mem: MemoryPlan, a: Action) -> float:
+    """The recomputation an action runs before its layers' own work (B and I only)."""
+    return float(mem.recompute_s[a.stage]) if a.kind in BACKWARD_KINDS and len(mem.recompute_s) else 0.0
+
+
+# ---- layer-granular copies (memory.copy_granularity = "layer") ------------------------------------------------
+class LayerCopy(NamedTuple):
+    """A non-empty activation or W-stash copy that moves layer by layer, in pieces of one layer's bytes.
+
+    An action of a chunk of n layers runs its recomputation first (B and I), then its n layers, each taking
+    1/n of the rest of its time (`work_s`; the embedding's and the LM head's work are spread over the layers).
+    The copied layers are the first the producer makes (F: layers 0, 1, ...; I: its stash of layers n-1,
+    n-2, ...) and the last the consumer needs (B/I run their layers backwards; W runs its layers in the
+    reverse of I's order). A copy of N bytes in pieces of b bytes moves k = ceil(N/b) pieces (at most n),
+    the consumer's first-needed one (the partial one) f·b bytes, f = N/b - (k - 1), taking `first_s`.
+
+        out   the copy is queued when the producer's first layer is done, FIFO on the d2h engine as before,
+              and ends no earlier than the producer's k-th layer + `first_s` (its last piece is made then)
+        in    the prefetch is queued, issued and gated as before; the consumer starts no earlier than the
+              prefetch starts, and so that it reaches the first-needed piece's layer once that piece is back
+              (P0 + first_s) and its last layer once the whole prefetch is (P1)
+
+    With one layer per chunk (or one piece) this is the whole-chunk rule. HBM is still freed when a copy out
+    ends and taken when a prefetch starts (a bound on the piecewise truth from above)."""
+
+    layers: float  # n
+    pieces: int  # k
+    first_s: float  # the first-needed piece's copy time
+
+    def out_offsets(self, recompute_s: float, duration_s: float) -> tuple[float, float]:
+        """(queued at, ends no earlier than), after the producer's (effective) start."""
+        layer = (duration_s - recompute_s) / self.layers
+        return recompute_s + layer, recompute_s + self.pieces * layer + self.first_s
+
+    def in_offsets(self, recompute_s: float, duration_s: float) -> tuple[float, float]:
+        """The consumer starts no earlier than (the prefetch's start + the first, its end + the second), and no
+        earlier than the prefetch's start."""
+        layer = (duration_s - recompute_s) / self.layers
+        return max(0.0, self.first_s + self.pieces * layer - duration_s), layer - duration_s
+
+
+def layer_copy(mem: MemoryPlan, chunk: int, nbytes: float, stash: bool = False, nvme: bool = False) -> LayerCopy | None:
+    """How a copy of `nbytes` of `chunk`'s activations (or W stash) moves layer by layer; None when copies move
+    whole chunks (memory.copy_granularity = "chunk") or the copy is empty (it then follows the chunk rule)."""
+    if not mem.layer_copies or nbytes <= 0:
+        return None
+    piece = float((mem.stash_piece_bytes if stash else mem.activation_piece_bytes)[chunk])
+    if piece <= 0:
+        return None
+    n = float(mem.copy_layers[chunk])
+    u = nbytes / piece
+    k = min(max(math.ceil(u - 1e-9), 1), max(int(n), 1))
+    return LayerCopy(n, k, (u - (k - 1)) * piece / (mem.nvme_bps if nvme else mem.host_link_bps))
 
 
 @dataclass(frozen=True, slots=True)

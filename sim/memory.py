@@ -164,7 +164,22 @@ def build_memory_plan(sc: Scenario, costs: CostTable, schedule: Schedule) -> Mem
     )
     if splits_backward(schedule) and mem.offload_stash != "auto":  # without a split backward, no stash to move
         plan = dataclasses.replace(plan, stash_offload_bytes=plan.stash_bytes * mem.offload_stash)
+    plan = with_copy_granularity(sc, costs, plan)
     return with_weight_offload(plan, costs, weight_offload_mask(sc, n), np.full(n, mem.optimizer != "hbm"), schedule)
+
+
+def with_copy_granularity(sc: Scenario, costs: CostTable, plan: MemoryPlan) -> MemoryPlan:
+    """`plan` with memory.copy_granularity's pieces: with "layer", a copy moves one layer's activations (or one
+    layer's share of the W stash) at a time (sim.graph.layer_copy); with "chunk" (or no per-layer detail) it
+    is returned unchanged."""
+    if sc.memory.copy_granularity != "layer" or costs.detail is None:
+        return plan
+    d = costs.detail
+    layers = np.maximum(np.asarray(d.layers, dtype=float), 1.0)
+    stash = plan.stash_bytes if len(plan.stash_bytes) else np.zeros(costs.num_chunks)
+    return dataclasses.replace(plan, copy_layers=layers,
+                               activation_piece_bytes=np.asarray(d.layer_activation_bytes, dtype=float),
+                               stash_piece_bytes=stash / layers)
 
 
 def weight_offload_mask(sc: Scenario, n: int) -> np.ndarray:

@@ -42,6 +42,11 @@ class MemoryPlan:
     # (the input gradients kept as the receive buffers' .grad)
     forward_retained_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
     backward_retained_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # memory.copy_granularity = "layer" (sim.graph.layer_copy): per chunk its layers, and one layer's activation
+    # and W-stash bytes per microbatch (the pieces a copy moves); empty: copies move whole chunks
+    copy_layers: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    activation_piece_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    stash_piece_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def offloads(self) -> bool:
@@ -54,6 +59,11 @@ class MemoryPlan:
     @property
     def offloads_weights(self) -> bool:
         return bool(self.weight_offload_bytes.any())
+
+    @property
+    def layer_copies(self) -> bool:
+        """Activation and W-stash copies move layer by layer (memory.copy_granularity = "layer")."""
+        return bool(len(self.copy_layers))
 
     @property
     def has_step_copies(self) -> bool:

@@ -140,6 +140,10 @@ def plan_freeze(
     """Solve the freeze LP for `schedule` under `costs`, verify it in the engine, compare schedule-blind
     freezing at the same budget. `baseline` and `dag` may be passed in to reuse them across caps."""
     recompute = memory.recompute_s if memory is not None else None
+    if memory is not None and memory.layer_copies and (memory.offloads or memory.offloads_stash):
+        # a layer-wise copy's rows depend on the durations it overlaps, which the LP varies (sim.graph.LayerCopy)
+        raise FreezeInputError('memory.copy_granularity: the freeze planner prices whole-chunk copies only; '
+                               'allowed: "chunk" (or a step without activation or W-stash offload)')
     if dag is None:
         copies = None
         if memory is not None and memory.uses_copy_engines:  # the copy order comes from a run

@@ -33,6 +33,12 @@ MEMORY_CASES = {
     "stash": {"memory.offload_stash": 0.5},
     "stash-activations-lookahead-1": {"memory.offload_stash": 1.0, "memory.offload_activations": 0.5,
                                       "memory.prefetch_lookahead": 1},
+    # copies that move layer by layer (sim.graph.LayerCopy): partial pieces, recomputation before the layers
+    "layers-stash-activations-recompute": {"memory.copy_granularity": "layer", "memory.offload_stash": 0.6,
+                                           "memory.offload_activations": 0.3, "memory.recompute": "chronos",
+                                           "memory.prefetch_lookahead": 1},
+    "layers-nvme-weights-states": {"memory.copy_granularity": "layer", "memory.offload_activations": 1.0,
+                                   "memory.activations_tier": "nvme", "memory.offload_weights": "all", **STATES_OFF},
 }
 SCHEDULES = {"1f1b": 1, "gpipe": 1, "interleaved-1f1b": 2, "zb-h1": 1, "zbv": 2, "chronos": 2}
 
@@ -69,6 +75,8 @@ def test_copy_nodes_reproduce_the_engine(name, case):
     assert float((start + dag.w_max)[dag.sinks].max()) == pytest.approx(result.makespan_s, rel=1e-12)
     if case == "activations-nvme-lookahead-1":
         assert result.stall_s.sum() > 0  # the copies really shape the step
+    if case.startswith("layers"):
+        assert memory.layer_copies
     if case.startswith("stash") and dag.copy_nodes:
         assert any(c.what == "stash-prefetch" for c in result.copies) == (name in ("zb-h1", "zbv", "chronos"))
 
