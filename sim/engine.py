@@ -27,7 +27,10 @@ every I queues a device-to-host copy of the stash's offloaded part on the d2h en
 copies), which leaves HBM when the copy ends; an I may not start while more than one earlier stash copy is
 unfinished; every W queues a prefetch when the rank starts the action `prefetch_lookahead` places before it
 (in one rank-ordered list with the B/I prefetches that action issues), after the copy out, HBM allocated
-when it starts; the W waits for it.
+when it starts; the W waits for it. With memory.copy_granularity = "layer" both kinds of copy move layer by
+layer (sim.graph.LayerCopy): a copy out is queued when its producer's first layer is done and ends no
+earlier than its last piece can, and a consumer starts once its prefetch has, as early as the pieces it
+needs first and last allow.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ activation; B or I (s, mb) consumes its own F(s, mb) and the input gradient of t
     side_chains     work that follows an action off the compute stream, task after task on a copy engine or
                     the host (today the optimizer step's copies); the engine runs them, the graph adds them.
     prefetch_issuer which action's start issues each backward's prefetch (the offload lookahead).
+    LayerCopy       how an activation or W-stash copy moves layer by layer (memory.copy_granularity =
+                    "layer"): when it may start and end after its producer, when its consumer may start.
     weight_windows  when a chunk's working weights may leave HBM (between uses further apart than the
                     lookahead, and across the step boundary when an in-step prefetch brings them back) and
                     which action's start fetches them back.

@@ -162,3 +162,19 @@ def test_the_stash_moving_policy_is_opt_in_and_plans_where_the_default_planner_d
     moved = PolicyDepths(SEVENTY, small, stash, 4, {})(32)
     assert plain.fits and moved.fits
     assert moved.result.tokens_per_s >= plain.result.tokens_per_s * (1 - 1e-2)
+
+
+
+def test_the_layer_copy_policy_is_opt_in_and_at_least_as_fast():
+    """`chronos+recomp+offload+stash+layers` runs only when named; on the small case it fits where the stash
+    policy does, and no slower beyond the planner's 2% (layer-wise copies never delay a step, and its MILP
+    prices them)."""
+    from analysis.capacity import DEFAULT_POLICIES, POLICIES, PolicyDepths
+
+    layers, stash = POLICIES["chronos+recomp+offload+stash+layers"], POLICIES["chronos+recomp+offload+stash"]
+    assert layers.name not in DEFAULT_POLICIES and layers.overrides["memory.copy_granularity"] == "layer"
+    small = {"pipeline.stages": 4, "pipeline.microbatches": 8}
+    moved = PolicyDepths(SEVENTY, small, stash, 4, {})(32)
+    by_layer = PolicyDepths(SEVENTY, small, layers, 4, {})(32)
+    assert moved.fits and by_layer.fits
+    assert by_layer.result.tokens_per_s >= moved.result.tokens_per_s * (1 - 2e-2)
