@@ -59,8 +59,11 @@ def print_simulation(summary: dict[str, Any], title: str) -> None:
         over = cap is not None and h > (summary.get("hbm_limit_bytes") or cap) + 1e-6
         t.add_row(str(r), gib(a), f"[red]{gib(h)}[/]" if over else gib(h))
     console.print(t)
-    line = (
-        f"makespan {summary['makespan_s']:.6g} s · bubble {summary['bubble_ratio']:.1%} · "
+    line = f"makespan {summary['makespan_s']:.6g} s · "
+    if f"{summary['step_time_s']:.6g}" != f"{summary['makespan_s']:.6g}":  # tails, or post-validation's spans
+        line += f"step {summary['step_time_s']:.6g} s · "
+    line += (
+        f"bubble {summary['bubble_ratio']:.1%} · "
         f"{summary['actions']} actions simulated in {summary['sim_wall_s'] * 1e3:.1f} ms"
     )
     if "tokens_per_s" in summary:

@@ -120,10 +120,37 @@ def test_report_answers_for_simulate_and_plan(tmp_path):
     assert main(["report", str(sim)]) == 0
     s = _summary(sim)
     md = (sim / "report.md").read_text()
-    assert f"one step takes {s['makespan_s']:.4g} s" in md and "Fits: the tightest rank" in md
+    # the step tokens/s counts (the optimizer step's tail included), then the pipeline's makespan the bubble is of
+    assert s["step_time_s"] > s["makespan_s"]
+    assert f"one step takes {s['step_time_s']:.4g} s" in md and "Fits: the tightest rank" in md
+    assert f"makespan is {s['makespan_s']:.4g} s" in md
     assert main(["plan", UNIT, "--cap", "0.5", "--out", str(plan)]) == 0 and main(["report", str(plan)]) == 0
     p = json.loads((plan / "plan.json").read_text())
     assert f"{p['speedup']:.3f}× faster" in (plan / "report.md").read_text()
+
+
+def test_post_validation_step_is_what_simulate_show_report_and_plan_print(tmp_path, capsys):
+    """Under optimizer post-validation the step is the longest rank span, not the makespan: ZB-2p on unit costs
+    (p = 4, m = 8) steps every 24 s though its makespan is 27 s (tests/test_engine.py). Every command says so,
+    and `plan` reports the spans before and after freezing beside the LP's makespans."""
+    sets = ["--set", "pipeline.schedule=zb-2p", "--set", "training.optimizer_post_validation=true"]
+    sim, plan = tmp_path / "sim", tmp_path / "plan"
+    assert main(["simulate", UNIT, *sets, "--out", str(sim)]) == 0
+    assert "makespan 27 s · step 24 s" in capsys.readouterr().out
+    assert main(["report", str(sim)]) == 0
+    md = (sim / "report.md").read_text()
+    assert "one step takes 24 s" in md and "makespan is 27 s" in md
+    assert main(["show", UNIT, *sets]) == 0
+    text = capsys.readouterr().out
+    assert "step 24 s (makespan 27 s)" in text and "optimizer post-validation" in text
+    assert main(["plan", UNIT, *sets, "--cap", "0.5", "--out", str(plan)]) == 0
+    text = capsys.readouterr().out
+    p = json.loads((plan / "plan.json").read_text())
+    assert p["step_time_s_before"] == 24.0 and p["step_time_s_after"] == _summary(plan)["step_time_s"]
+    assert p["baseline_makespan_s"] == 27.0 and p["step_time_s_after"] < p["step_time_s_before"]
+    assert f"{p['step_time_s_before']:.6g} s -> {p['step_time_s_after']:.6g} s" in text
+    assert main(["plan", UNIT, "--out", str(tmp_path / "barrier")]) == 0  # with the barrier: nothing added
+    assert "step_time_s_after" not in json.loads((tmp_path / "barrier" / "plan.json").read_text())
 
 
 # --- scenarios, init, show, --version, examples -----------------------------------------------------------------
