@@ -99,3 +99,19 @@ def test_report_bad_folders(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "is not a folder" in err and "holds no pipeplan outputs" in err
+
+
+@pytest.mark.parametrize("schedule,zero", [("zb-2p", True), ("1f1b", False)])
+def test_step_tail_share_under_post_validation(schedule, zero):
+    """With optimizer post-validation the step is the longest rank span: ZB-2p's is shorter than its makespan
+    (the share is clamped at 0), the default scenario's 1F1B rank 0 starts first and ends last, so its span is the
+    makespan plus its own optimizer step (a share above 0, as docs/sweep.md says)."""
+    from analysis.sweep import evaluate
+
+    over = {"pipeline.schedule": schedule, "training.optimizer_post_validation": True}
+    row = evaluate(str(scenario_path("llama3-8b-pp4-h100")), over, False)
+    assert row["status"] == "ok"
+    if zero:
+        assert row["step_tail_share"] == 0.0
+    else:
+        assert 0.0 < row["step_tail_share"] < 0.05
