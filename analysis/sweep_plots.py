@@ -130,5 +130,7 @@ def print_invalid(df: pd.DataFrame) -> None:
     if not reasons:
         return
     console.print(f"[bold]{sum(r.count for r in reasons)} invalid combinations[/] (not simulated), by reason:")
-    for r in reasons:
-        console.print(f"  {r.count:>5} x {r.reason}  [dim](e.g. {r.example})[/]")
+    from rich.markup import escape
+
+    for r in reasons:  # a reason names scenario tables ("[model]"), which rich would take for markup and drop
+        console.print(f"  {r.count:>5} x {escape(str(r.reason))}  [dim](e.g. {escape(str(r.example))})[/]")

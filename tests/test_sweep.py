@@ -115,3 +115,11 @@ def test_step_tail_share_under_post_validation(schedule, zero):
         assert row["step_tail_share"] == 0.0
     else:
         assert 0.0 < row["step_tail_share"] < 0.05
+
+
+def test_invalid_reasons_keep_their_brackets(tmp_path, capsys):
+    """A reason names scenario tables ("[model]", "[costs]"): the console prints them, not as rich markup."""
+    grid = ["--grid", "pipeline.p2p_buffers=per-exchange,per-microbatch"]
+    assert main(["sweep", str(scenario_path("explicit-unit")), *grid, "--out", str(tmp_path / "s")]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert "needs a [model] scenario (explicit [costs] give" in out
