@@ -45,6 +45,17 @@ def load_run_scenario(cfg: RunConfig) -> tuple[Scenario, Schedule]:
             f"scenario {path}: has explicit [costs] but no [model]; `pipeplan run` needs a model to train "
             "(give the explicit-costs scenario to --costs for the prediction instead)"
         )
+    # what pipeplan's executor does not do: its prediction (runtime/report.py) would describe another runtime
+    if sc.pipeline.p2p_buffers != "per-exchange":
+        raise PipeplanError(
+            f"pipeline.p2p_buffers: '{sc.pipeline.p2p_buffers}' describes torch.distributed.pipelining; `pipeplan run` "
+            "allocates each message and frees it after use (runtime/p2p.py): use 'per-exchange'"
+        )
+    if sc.training.optimizer_post_validation:
+        raise PipeplanError(
+            "training.optimizer_post_validation: `pipeplan run` ends every step with a barrier before the "
+            "optimizer step; use false"
+        )
     schedule = resolve_schedule(sc, cfg.schedule_csv)
     check_ranks_hold_parameters(scenario_layer_ranges(sc), schedule.stage_to_rank)
     return sc, schedule

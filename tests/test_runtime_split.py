@@ -7,6 +7,8 @@ of layers (order only)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -91,6 +93,16 @@ def test_a_rank_without_parameters_is_refused_before_launch():
     cfg = config({"model.layers": 4, "pipeline.schedule": "zbv", "pipeline.layers_per_stage": [2, 0, 0, 2]})
     with pytest.raises(PipeplanError, match=r"rank 1 would hold only empty chunks \[1, 2\]"):
         load_run_scenario(cfg)
+
+
+@pytest.mark.parametrize("key,value", [("pipeline.p2p_buffers", "per-microbatch"),
+                                       ("training.optimizer_post_validation", True)])
+def test_what_the_executor_does_not_do_is_refused_before_launch(key, value):
+    """torch pipelining's per-microbatch buffers and the Zero Bubble fork's barrier-free optimizer step are
+    prediction keys: pipeplan's executor frees each message after use and ends each step with a barrier, so a
+    run under them would be compared with a prediction for another runtime."""
+    with pytest.raises(PipeplanError, match=rf"^{re.escape(key)}: .*use"):
+        load_run_scenario(config({key: value}))
 
 
 # ---- training on the split, 2 gloo ranks ------------------------------------------------------------------
