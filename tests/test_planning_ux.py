@@ -149,6 +149,10 @@ def test_post_validation_step_is_what_simulate_show_report_and_plan_print(tmp_pa
     assert p["step_time_s_before"] == 24.0 and p["step_time_s_after"] == _summary(plan)["step_time_s"]
     assert p["baseline_makespan_s"] == 27.0 and p["step_time_s_after"] < p["step_time_s_before"]
     assert f"{p['step_time_s_before']:.6g} s -> {p['step_time_s_after']:.6g} s" in text
+    assert main(["report", str(plan)]) == 0
+    gain = p["step_time_s_before"] / p["step_time_s_after"]
+    assert f"longest rank span: 24 s → {p['step_time_s_after']:.4g} s ({gain:.3f}× faster)" in (
+        plan / "report.md").read_text()
     assert main(["plan", UNIT, "--out", str(tmp_path / "barrier")]) == 0  # with the barrier: nothing added
     assert "step_time_s_after" not in json.loads((tmp_path / "barrier" / "plan.json").read_text())
 
