@@ -47,8 +47,6 @@ import numpy as np
 from sim.activations import DTYPE_BYTES, sequence_divisor
 from sim.config import Scenario
 
-P2P_BUFFER_MODES = ("per-exchange", "per-microbatch")
-
 
 @dataclass(frozen=True)
 class P2PBuffers:
@@ -69,6 +67,8 @@ def boundary_bytes(sc: Scenario) -> float:
 
 
 def p2p_buffers(sc: Scenario) -> P2PBuffers:
+    """Per chunk, what `pipeline.p2p_buffers` holds (the table in the module docstring); all zero for
+    "per-exchange" and for a single chunk, which neither receives nor sends."""
     n = sc.num_chunks
     zero = np.zeros(n)
     if sc.pipeline.p2p_buffers == "per-exchange" or n == 1:
