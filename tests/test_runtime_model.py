@@ -122,7 +122,9 @@ def test_frozen_parameters_get_no_gradient_from_the_microbatches_that_froze_them
 
 
 def test_backward_time_falls_with_the_freeze_ratio():
-    """A middle chunk (its input gradient is always needed): interleaved repetitions, medians of B times."""
+    """A middle chunk (its input gradient is always needed): interleaved repetitions, the least process CPU
+    time of each ratio's B. CPU time and the minimum, because other jobs on a shared machine only ever add to
+    a sample (a wall-clock median flipped 0.5 against 0.0 once under load)."""
     args = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512, vocab=256, seq_len=64)
     chunk = build_chunk(args, 1, layer_ranges([1, 1]))
     params = dict(chunk.named_parameters())
@@ -139,14 +141,14 @@ def test_backward_time_falls_with_the_freeze_ratio():
             out = chunk(inp)  # (4, T, h)
             for p in chunk.parameters():
                 p.requires_grad_(True)
-            start = time.perf_counter()
+            start = time.process_time()
             out.backward(torch.ones_like(out))
-            times[ratio].append(time.perf_counter() - start)
+            times[ratio].append(time.process_time() - start)
             assert inp.grad is not None
             chunk.zero_grad(set_to_none=True)
-    med = {r: statistics.median(v) for r, v in times.items()}
-    assert med[1.0] < 0.85 * med[0.0], med
-    assert med[0.5] < med[0.0], med
+    least = {r: min(v) for r, v in times.items()}
+    assert least[1.0] < 0.85 * least[0.0], least
+    assert least[0.5] < least[0.0], least
 
 
 def test_draws_match_the_ratio_and_lean_to_the_front_on_stage_0():
