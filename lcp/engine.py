@@ -9,9 +9,9 @@ The engine adds one structure to the index, rebuilt whenever an index is built o
 over the top `bucket_bits(N)` bits of the first packed word, `starts[b]` = first sorted row in bucket b
 (2^bits + 1 entries, int32 below 2^31 rows; bits = bit_length(N) − 4 in [2, 20]: 8–16 rows per bucket,
 0.25–0.5 bytes per row). Every binary search on the first words starts inside one bucket. And, where
-the rows sharing their first `table_tokens` tokens form groups of 32–256 rows on average (N = 2M–16M
-byte rows, 8k–64k at the one-token depth), each group's 16 smallest ids as uint8 offsets
-(`group_heads`: 16 bytes a group, at most 0.5 bytes per row), which answer k <= 16 at that depth
+the rows sharing their first `table_tokens` tokens form groups of 64–256 rows on average (N = 4M–16M
+byte rows, 16k–64k at the one-token depth), each group's 16 smallest ids as uint8 offsets
+(`group_heads`: 16 bytes a group, at most 0.25 bytes per row), which answer k <= 16 at that depth
 without a selection.
 
 Compiled code is cached on disk by numba (`cache=True`): next to lcp/kernel.py in `__pycache__` when that
@@ -79,7 +79,10 @@ def table_tokens(n: int, token_bits: int, has_lengths: bool) -> int:
 
 HEADS = 16  # smallest ids kept per group of rows sharing their first table_tokens tokens (k <= HEADS)
 HEAD_SPAN = 256  # groups of at most this many rows: a head is a uint8 offset into its group (lcp/kernel.py)
-HEAD_MIN_ROWS = 32  # built when groups hold this many rows on average (at most HEADS / 32 = 0.5 bytes per row)
+# built when groups hold this many rows on average: at most HEADS / 64 = 0.25 bytes per row. 32 (0.5 bytes per
+# row) broke the 1.5x-raw memory bound at L = 32 bytes just above N = 2^21 (1.5007x at 2^21 + 1: the table is
+# 0.5 bytes per row there and the tree a little over 10), tests/test_lcp_index.py
+HEAD_MIN_ROWS = 64
 
 
 def group_heads(first_words: np.ndarray, ids: np.ndarray, group_bits: int) -> np.ndarray:

@@ -28,7 +28,7 @@ read neighbouring rows and often share their ranges.
    of two ascending lists). The k smallest ids of S_{d*}: 0, 1, 2, … for d* = 0; for a range of at most
    `direct_cap` rows (default max(8k, 512)) a byte histogram that keeps those below the k-th and a radix
    sort — except where d* is the table's depth, k <= 16 and the group S_{d*} has its heads
-   (lcp/engine.py, `group_heads`: its 16 smallest ids as offsets, built when groups hold 32-256 rows
+   (lcp/engine.py, `group_heads`: its 16 smallest ids as offsets, built when groups hold 64-256 rows
    on average): then k gathers; for a wider one (k <= CAP) a k-way merge over the truncated merge-sort
    tree of lcp/smallest.py (two partial blocks, at most two nodes per level, each sorted by id, read
    only as far as needed); computed once per run of queries sharing the range (one cache for each of

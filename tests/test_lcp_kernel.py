@@ -194,10 +194,10 @@ def test_depth_below_the_table_read_off_it(n):
 def test_group_heads_are_each_groups_smallest_ids():
     """engine.group_heads against a sort of each group's ids: groups of 0, 1, fewer than HEADS, between
     HEADS and HEAD_SPAN and beyond HEAD_SPAN rows (left unfilled: the kernel selects there)."""
-    from lcp.engine import HEAD_SPAN, HEADS, group_heads
+    from lcp.engine import HEAD_MIN_ROWS, HEAD_SPAN, HEADS, group_heads
 
     g = np.random.default_rng(5)
-    sizes = np.concatenate([[0, 1, 5, HEADS, HEADS + 1, HEAD_SPAN, HEAD_SPAN + 1], g.integers(32, 90, 249)])
+    sizes = np.concatenate([[0, 1, 5, HEADS, HEADS + 1, HEAD_SPAN, HEAD_SPAN + 1], g.integers(64, 120, 249)])
     group = np.repeat(np.arange(256), sizes)  # the group of each sorted row: non-decreasing
     first_words = ((group - 128) << 56) | g.integers(0, 1 << 56, len(group))
     first_words.sort()
@@ -213,6 +213,11 @@ def test_group_heads_are_each_groups_smallest_ids():
         assert np.array_equal(ids[lo + heads[b, :m].astype(np.int64)], np.sort(ids[lo:hi])[:m]), b
     few = np.sort(g.integers(-(2**63), 2**63 - 1, 1000))  # 4 rows a group on average: not worth it
     assert group_heads(few, np.arange(1000, dtype=np.int32), 8).shape == (0, HEADS)
+    # the build rule's edge: HEAD_MIN_ROWS rows a group on average, so at most a quarter byte per row (the
+    # index's 1.5x memory bound at L = 32 has no more to spare next to a 0.5-byte-per-row bucket table)
+    edge = np.sort(g.integers(-(2**63), 2**63 - 1, HEAD_MIN_ROWS * 256))
+    assert 0 < group_heads(edge, np.arange(len(edge), dtype=np.int32), 8).nbytes <= len(edge) / 4
+    assert group_heads(edge[1:], np.arange(len(edge) - 1, dtype=np.int32), 8).shape == (0, HEADS)
 
 
 def test_ties_from_the_group_heads():
