@@ -74,7 +74,8 @@ def kernel_bytes(index: LCPIndex, queries: torch.Tensor, k: int) -> float:
     above = (at.gt_l + at.gt_r).double().cpu()
     walked = torch.where(shallow, above, torch.where(tabled, float(kk + 1), torch.clamp(size, max=kk + 2 * WALK)))
     lines = search + 2 * w + _run(walked * index.adj.element_size())
-    searched = ((size > kk + 2 * WALK) & ~tabled).double() * 2 * search  # the ends of S_{d*}, searched
+    # the ends of S_{d*}, searched (none at d* = 0: the kernel answers ids 0, 1, 2, ... without a search)
+    searched = ((size > kk + 2 * WALK) & ~tabled & (d > 0)).double() * 2 * search
     lines = lines + torch.where(tabled, entries, searched)
     words, _ = prepare_queries(queries, None, index.fmt, torch.device("cpu"))
     order = torch.from_numpy(visiting_order(words[:, 0].numpy()))  # the kernel's visiting order
