@@ -460,7 +460,7 @@ class _StepSimulation:
 
     def _prefetch_stash(self, w: int, rank: int):
         """Before W: wait for its I's stash copy out, then bring the stash back (FIFO), HBM allocated first."""
-        i = self.deps[w][0][0]  # W's one input: its own I
+        i = step_structure(self.sched).split_of(w)
         nbytes = self.stash_off[self.actions[w].stage]
         yield from self._copy_in(w, w, rank, "stash-prefetch", nbytes, nbytes / self.mem.host_link_bps,
                                  self.stash_copied[i], lambda d: self._dram(rank, d), self.prefetched[w])
