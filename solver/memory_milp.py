@@ -256,7 +256,7 @@ def _positions(schedule: Schedule, lookahead: int, weights: bool = False, retain
         recent_f: list[tuple[int, int]] = []
         recent_i: list[tuple[int, int]] = []
         backwards = [k for k, a in enumerate(actions) if a.kind in BACKWARD_KINDS]
-        weights = [k for k, a in enumerate(actions) if a.kind is Kind.W]
+        w_nodes = [k for k, a in enumerate(actions) if a.kind is Kind.W]
         for k, a in enumerate(actions):
             key = (a.stage, a.microbatch)
             if a.kind is Kind.F:
@@ -275,7 +275,7 @@ def _positions(schedule: Schedule, lookahead: int, weights: bool = False, retain
             for s, _mb in stashed:
                 s_vec[s] += 1
             rows_s.append(s_vec)
-            rows_sr.append(_whole_per_chunk(stashed, key, recent_i, weights, actions, k, lookahead, n_chunks))
+            rows_sr.append(_whole_per_chunk(stashed, key, recent_i, w_nodes, actions, k, lookahead, n_chunks))
             rows_f.append(started.copy() if retained else np.zeros(n_chunks))
             rows_d.append(done.copy() if retained else np.zeros(n_chunks))
             if a.kind is Kind.I:
