@@ -180,8 +180,8 @@ class CPUEngine:
         self.offset_levels = [offsets(j, dt, w) for j, dt, w in OFFSET_LEVELS]
         self.id_rows = tree.id_rows.numpy()
         self.id_starts = np.asarray(tree.id_row_starts, dtype=np.int64)
-        depth = table_tokens(index.n, index.fmt.bits, self.has_lengths)
-        self.group_bits = depth * index.fmt.bits
+        self.table_tokens = table_tokens(index.n, index.fmt.bits, self.has_lengths)
+        self.group_bits = self.table_tokens * index.fmt.bits
         self.heads = group_heads(self.cols[0], self.ids, self.group_bits)
 
     @property
@@ -215,7 +215,7 @@ class CPUEngine:
             self.cols, self.ids, self.adj, self.lengths, self.has_lengths, fmt.length,
             fmt.per_word, fmt.bits, self.starts.numpy(), 64 - self.bits, 1 << (self.bits - 1),
             lev1, lev2, lev3, lev4, self.id_rows, self.id_starts, -1 if direct_cap is None else direct_cap,
-            table_tokens(len(self.ids), fmt.bits, self.has_lengths), self.heads, 64 - self.group_bits,
+            self.table_tokens, self.heads, 64 - self.group_bits,
             1 << max(self.group_bits - 1, 0), qw, qlen, visiting_order(qw[:, 0]), k, lcps, ids,
         )  # fmt: skip
         if out is not None:

@@ -80,7 +80,7 @@ def kernel_bytes(index: LCPIndex, queries: torch.Tensor, k: int) -> float:
     words, _ = prepare_queries(queries, None, index.fmt, torch.device("cpu"))
     order = torch.from_numpy(visiting_order(words[:, 0].numpy()))  # the kernel's visiting order
     above_lo, above_hi = (at.p - at.gt_l).cpu(), (at.p + at.gt_r).cpu()
-    lines = lines + _run((at.gt_l + at.gt_r).double().cpu() * index.ids.element_size()) * _first_of_runs(
+    lines = lines + _run(above * index.ids.element_size()) * _first_of_runs(
         order, above_lo, above_hi
     )  # the ids of S_{d*+1}
     cap = max(8 * kk, 512) if index.direct_cap is None else index.direct_cap

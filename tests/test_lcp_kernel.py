@@ -220,6 +220,16 @@ def test_group_heads_are_each_groups_smallest_ids():
     assert group_heads(edge[1:], np.arange(len(edge) - 1, dtype=np.int32), 8).shape == (0, HEADS)
 
 
+def test_head_span_is_one_value():
+    """HEAD_SPAN is written twice (lcp/engine.py builds the heads, lcp/kernel.py reads them; the kernel
+    cannot import the engine, and a global from another module would outlive numba's on-disk cache):
+    the two agree, and every offset within a group of HEAD_SPAN rows fits the heads' uint8."""
+    from lcp import engine
+    from lcp import kernel as module
+
+    assert module.HEAD_SPAN == engine.HEAD_SPAN == np.iinfo(np.uint8).max + 1
+
+
 def test_ties_from_the_group_heads():
     """N = 20,000 byte rows: table_tokens = 1 and ~78 rows per first byte, so the group heads are built
     and answer every k <= HEADS whose d* is 1, read as k gathers; a group of 700 rows (beyond
