@@ -198,8 +198,9 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     e = DTYPE_BYTES[tr.dtype]
     b, s, h, v = tr.micro_batch_size, m.seq_len, m.hidden, m.vocab
     lc = layer_costs(sc)
-    lt: LayerTimes = layer_times(sc, spec, tp_link(sc, links))
-    head = head_times(sc, spec, tp_link(sc, links))
+    tp = tp_link(sc, links)
+    lt: LayerTimes = layer_times(sc, spec, tp)
+    head = head_times(sc, spec, tp)
     emb_params, head_params = embedding_params(sc)
 
     extra_f, extra_i, extra_w = chunk_extra_times(sc, head)
