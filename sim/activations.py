@@ -61,6 +61,22 @@ def gathered_bytes_per_element(sc: Scenario) -> int:
     return DTYPE_BYTES[sc.training.dtype]
 
 
+def boundary_bytes(sc: Scenario) -> float:
+    """Bytes of the tensor one TP rank passes between stages: the residual stream, sequence-sharded with SP."""
+    m = sc.model
+    assert m is not None
+    e = DTYPE_BYTES[sc.training.dtype]
+    return e * sc.training.micro_batch_size * m.seq_len * m.hidden / sequence_divisor(sc)
+
+
+def logits_bytes(sc: Scenario) -> float:
+    """The LM head's output on one TP rank, in the training dtype (vocabulary-sharded: loss parallelism)."""
+    m = sc.model
+    assert m is not None
+    e = DTYPE_BYTES[sc.training.dtype]
+    return e * sc.training.micro_batch_size * m.seq_len * m.vocab / sc.parallel.tp
+
+
 def mlp_widths(sc: Scenario) -> tuple[int, int]:
     """(elements kept inside the MLP per token, the up-projection's output width): GeLU keeps its input and
     the fc2 input (2f); SwiGLU keeps gate, up, SiLU(gate) and gate*up (4f) and projects to 2f."""
@@ -126,7 +142,7 @@ def layer_memory(sc: Scenario) -> LayerMemory:
     stash += gathered + row_inputs
     return LayerMemory(
         activation=activation,
-        checkpoint=e * s * b * h / sp,
+        checkpoint=boundary_bytes(sc),
         attention_core=core / t,
         weight_stash=stash,
     )

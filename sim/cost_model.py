@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.activations import DTYPE_BYTES, layer_memory, sequence_divisor
+from sim.activations import DTYPE_BYTES, boundary_bytes, layer_memory, logits_bytes, sequence_divisor
 from sim.chunk_detail import ChunkDetail
 from sim.comm import build_links, p2p_link, tp_link
 from sim.config import Scenario
@@ -198,8 +198,9 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     e = DTYPE_BYTES[tr.dtype]
     b, s, h, v = tr.micro_batch_size, m.seq_len, m.hidden, m.vocab
     lc = layer_costs(sc)
-    lt: LayerTimes = layer_times(sc, spec, tp_link(sc, links))
-    head = head_times(sc, spec, tp_link(sc, links))
+    tp = tp_link(sc, links)
+    lt: LayerTimes = layer_times(sc, spec, tp)
+    head = head_times(sc, spec, tp)
     emb_params, head_params = embedding_params(sc)
 
     extra_f, extra_i, extra_w = chunk_extra_times(sc, head)
@@ -218,7 +219,7 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     # head is not Float8)
     head_in = e * b * s * h / (1 if sc.parallel.tp_style == "dtensor" else sp)
     # last chunk: final-norm input, LM-head input and the fp32 logits the cross-entropy keeps (Korthikanti §4.1)
-    act[-1] += e * b * s * h / sp + head_in + 4 * b * s * v / t
+    act[-1] += boundary_bytes(sc) + head_in + 4 * b * s * v / t
     # first chunk: token ids (int64) and, with dropout, the embedding dropout mask (Megatron's count)
     act[0] += 8 * s * b + (s * b * h / sp if tr.dropout > 0 else 0)
     if sc.memory.activation_model == "megatron" and tr.dropout == 0:
@@ -232,7 +233,7 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     stash = counts * lc.weight_stash_bytes
     # the LM head's W needs its input and the logits' gradient (e bytes, cast back from the fp32 loss): a split
     # backward keeps both from the last chunk's I until its W, like every other GEMM's
-    stash[-1] += head_in + e * b * s * v / t
+    stash[-1] += head_in + logits_bytes(sc)
     states = {k: params * per for k, per in state_bytes_per_param(sc).items()}
     n_ranks = sc.pipeline.stages
     states["runtime"] = np.full(chunks, runtime_bytes(sc, dev, lc.params) / sc.pipeline.virtual_stages)

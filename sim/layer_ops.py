@@ -262,11 +262,10 @@ def layer_times(sc: Scenario, dev: DeviceSpec, tp: Link) -> LayerTimes:
     )
 
 
-def head_times(sc: Scenario, dev: DeviceSpec, tp: Link | None = None) -> HeadTimes:
+def head_times(sc: Scenario, dev: DeviceSpec, tp: Link) -> HeadTimes:
     """LM head GEMM (T x h @ h x V/t), the loss (fp32 softmax over V/t: read bf16 logits, write and re-read fp32
     copies) and the embedding lookup (a gather forward, a scatter-add backward: memory-bound), with their TP
-    collectives over `tp` (sim/tp_comm.py `head_collectives`, under parallel.tp_comm_overlap like the layers';
-    needed when tp > 1)."""
+    collectives over `tp` (sim/tp_comm.py `head_collectives`, under parallel.tp_comm_overlap like the layers')."""
     m, tr, t = sc.model, sc.training, sc.parallel.tp
     assert m is not None
     e = DTYPE_BYTES[tr.dtype]
@@ -278,8 +277,6 @@ def head_times(sc: Scenario, dev: DeviceSpec, tp: Link | None = None) -> HeadTim
     emb = memory_bound_s(2 * e * tokens * h / sequence_divisor(sc), dev)
     head = (tokens, v / t, h)
     colls = head_collectives(sc, head)
-    if t > 1 and tp is None:
-        raise ValueError("head_times: tp > 1 needs the TP link")
 
     def with_comm(gemm: float, pass_name: str) -> float:
         return pass_with_comm_s(sc, gemm, colls[pass_name], tp, ge, dev) if colls[pass_name] else gemm

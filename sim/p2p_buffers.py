@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.activations import DTYPE_BYTES, sequence_divisor
+from sim.activations import boundary_bytes, logits_bytes
 from sim.config import Scenario
 
 
@@ -56,14 +56,6 @@ class P2PBuffers:
     input_bytes: np.ndarray  # per microbatch: the stage input, which lives in a static buffer
     output_bytes: np.ndarray  # per microbatch: the stage output, from its forward to the step's end
     input_grad_bytes: np.ndarray  # per microbatch: the input gradient, from its backward's end to the step's end
-
-
-def boundary_bytes(sc: Scenario) -> float:
-    """Bytes of the tensor one TP rank passes between stages: the residual stream, sequence-sharded with SP."""
-    m = sc.model
-    assert m is not None
-    e = DTYPE_BYTES[sc.training.dtype]
-    return e * sc.training.micro_batch_size * m.seq_len * m.hidden / sequence_divisor(sc)
 
 
 def p2p_buffers(sc: Scenario) -> P2PBuffers:
@@ -81,11 +73,3 @@ def p2p_buffers(sc: Scenario) -> P2PBuffers:
     held = np.where(receives_activations, b, 0.0)
     output = np.where(receives_gradients, b, logits_bytes(sc))
     return P2PBuffers(static, held, output, held.copy())
-
-
-def logits_bytes(sc: Scenario) -> float:
-    """The LM head's output on one TP rank, in the training dtype (vocabulary-sharded: loss parallelism)."""
-    m = sc.model
-    assert m is not None
-    e = DTYPE_BYTES[sc.training.dtype]
-    return e * sc.training.micro_batch_size * m.seq_len * m.vocab / sc.parallel.tp

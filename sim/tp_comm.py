@@ -76,6 +76,11 @@ def column_parallel_consumers(sc: Scenario) -> tuple[int, int]:
     return (1, 1) if sc.model.architecture == "gpt" else (3, 2)
 
 
+def _dx(g: Gemm) -> Gemm:
+    """The input-gradient GEMM of forward GEMM `g`: dX = dY W^T, M x N @ N x K."""
+    return (g[0], g[2], g[1])
+
+
 def layer_collectives(sc: Scenario, gemms: list[Gemm]) -> dict[str, list[Collective]]:
     """The TP collectives of one layer per pass ("F", "I", "W"), from its forward GEMMs (QKV, out-proj, MLP
     up, MLP down as (M, N, K), sim/layer_ops.py `_gemms`)."""
@@ -87,14 +92,10 @@ def layer_collectives(sc: Scenario, gemms: list[Gemm]) -> dict[str, list[Collect
     e = DTYPE_BYTES[tr.dtype]
     elements = tr.micro_batch_size * m.seq_len * m.hidden
     qkv, proj, up, down = gemms
-
-    def dx(g: Gemm) -> Gemm:  # dX = dY W^T: M x N @ N x K
-        return (g[0], g[2], g[1])
-
     if not par.sequence_parallel:
         ar = e * elements
         out["F"] = [Collective("all-reduce", ar, (proj,), False), Collective("all-reduce", ar, (down,), False)]
-        out["I"] = [Collective("all-reduce", ar, (dx(qkv),), False), Collective("all-reduce", ar, (dx(up),), False)]
+        out["I"] = [Collective("all-reduce", ar, (_dx(qkv),), False), Collective("all-reduce", ar, (_dx(up),), False)]
         return out
     ag = gathered_bytes_per_element(sc) * elements
     rs = e * elements
@@ -106,10 +107,10 @@ def layer_collectives(sc: Scenario, gemms: list[Gemm]) -> dict[str, list[Collect
         Collective("reduce-scatter", rs, (down,), True),
     ]
     out["I"] = [
-        Collective("all-gather", ag, (dx(proj),), True),
-        Collective("all-gather", ag, (dx(down),), True),
-        Collective("reduce-scatter", rs, (dx(qkv),), attn_in == 1),
-        Collective("reduce-scatter", rs, (dx(up),), mlp_in == 1),
+        Collective("all-gather", ag, (_dx(proj),), True),
+        Collective("all-gather", ag, (_dx(down),), True),
+        Collective("reduce-scatter", rs, (_dx(qkv),), attn_in == 1),
+        Collective("reduce-scatter", rs, (_dx(up),), mlp_in == 1),
     ]
     if par.tp_style == "megatron":  # layers.py: backward all-gathers the saved shard again for dW
         out["W"] = [Collective("all-gather", e * elements, (), False) for _ in range(2)]
@@ -134,15 +135,14 @@ def head_collectives(sc: Scenario, head: Gemm) -> dict[str, list[Collective]]:
     if par.tp <= 1:
         return out
     stream = DTYPE_BYTES[tr.dtype] * tr.micro_batch_size * m.seq_len * m.hidden
-    dx = (head[0], head[2], head[1])
     if not par.sequence_parallel:
         out["EF"] = [Collective("all-reduce", stream, (), False)]
-        out["I"] = [Collective("all-reduce", stream, (dx,), False)]
+        out["I"] = [Collective("all-reduce", stream, (_dx(head),), False)]
         return out
     out["EF"] = [Collective("reduce-scatter", stream, (), False)]
     out["EI"] = [Collective("all-gather", stream, (), False)]
     out["F"] = [Collective("all-gather", stream, (head,), True)]
-    out["I"] = [Collective("reduce-scatter", stream, (dx,), True)]
+    out["I"] = [Collective("reduce-scatter", stream, (_dx(head),), True)]
     if par.tp_style == "megatron":
         out["W"] = [Collective("all-gather", stream, (), False)]
     return out
