@@ -51,10 +51,10 @@ from sim.graph import (
     LayerCopy,
     SideTask,
     action_recompute_s,
-    activation_nvme,
-    layer_copy,
+    activation_layer_copies,
     prefetch_issuer,
     side_chains,
+    stash_layer_copies,
     step_structure,
     weight_windows,
 )
@@ -441,17 +441,15 @@ class _StepSimulation:
 
     def _layer_copies(self) -> tuple[dict[int, LayerCopy], dict[int, LayerCopy]]:
         """Per action, how its copy out (F: activations, I: W stash) and its prefetch (B/I: activations, W: its
-        stash) move when they move layer by layer (sim.graph.layer_copy); absent: the whole-chunk rule."""
+        stash) move when they move layer by layer (sim.graph.activation_layer_copies and stash_layer_copies,
+        per chunk); absent: the whole-chunk rule."""
         out: dict[int, LayerCopy] = {}
         into: dict[int, LayerCopy] = {}
         if not self.mem.layer_copies:
             return out, into
-        nvme = activation_nvme(self.mem)
+        acts, stashes = activation_layer_copies(self.mem), stash_layer_copies(self.mem)  # per chunk
         for i, a in enumerate(self.actions):
-            c = a.stage
-            act = layer_copy(self.mem, c, float(self.mem.offload_bytes[c]), nvme=bool(nvme[c])) \
-                if self.offloads else None
-            stash = layer_copy(self.mem, c, self.stash_off[c], stash=True) if self.stashes else None
+            act, stash = acts[a.stage], stashes[a.stage]
             for table, lc in ((out, act if a.kind is Kind.F else stash if a.kind is Kind.I else None),
                               (into, act if a.kind in BACKWARD_KINDS else stash if a.kind is Kind.W else None)):
                 if lc is not None:

@@ -365,18 +365,16 @@ def add_activation_copies(g: GraphBuilder, mem: MemoryPlan) -> None:
     """An offload after every F, a prefetch before every B/I (after that F's offload); layer by layer with
     memory.copy_granularity = "layer" (layer_copy)."""
     st = g.structure
-    nvme = activation_nvme(mem)
-    copy_s = mem.offload_bytes / np.where(nvme, mem.nvme_bps, mem.host_link_bps)  # per chunk
+    copy_s = mem.offload_bytes / np.where(activation_nvme(mem), mem.nvme_bps, mem.host_link_bps)  # per chunk
+    lc = activation_layer_copies(mem)
     for i, a in enumerate(st.actions):
         if a.kind is Kind.F:
-            _add_copy_out(g, mem, i, g.add_node(NodeKind.OFFLOAD, ("offload", a), copy_s[a.stage]),
-                          layer_copy(mem, a.stage, float(mem.offload_bytes[a.stage]), nvme=bool(nvme[a.stage])))
+            _add_copy_out(g, mem, i, g.add_node(NodeKind.OFFLOAD, ("offload", a), copy_s[a.stage]), lc[a.stage])
     for i, a in enumerate(st.actions):
         if a.kind in BACKWARD_KINDS:
             q = g.add_node(NodeKind.PREFETCH, ("prefetch", a), copy_s[a.stage])
             g.add_edge(g.keys[("offload", st.actions[st.forward_of[i]])], q)
-            _add_copy_in(g, mem, q, i,
-                         layer_copy(mem, a.stage, float(mem.offload_bytes[a.stage]), nvme=bool(nvme[a.stage])))
+            _add_copy_in(g, mem, q, i, lc[a.stage])
 
 
 def add_stash_copies(g: GraphBuilder, mem: MemoryPlan) -> None:
@@ -384,15 +382,16 @@ def add_stash_copies(g: GraphBuilder, mem: MemoryPlan) -> None:
     layer with memory.copy_granularity = "layer" (layer_copy)."""
     st = g.structure
     copy_s = mem.stash_offload_bytes / mem.host_link_bps  # per chunk
+    lc = stash_layer_copies(mem)
     for i, a in enumerate(st.actions):
         if a.kind is Kind.I:
             _add_copy_out(g, mem, i, g.add_node(NodeKind.STASH_OFFLOAD, ("stash-offload", a), copy_s[a.stage]),
-                          layer_copy(mem, a.stage, float(mem.stash_offload_bytes[a.stage]), stash=True))
+                          lc[a.stage])
     for i, a in enumerate(st.actions):
         if a.kind is Kind.W:
             q = g.add_node(NodeKind.STASH_PREFETCH, ("stash-prefetch", a), copy_s[a.stage])
             g.add_edge(g.keys[("stash-offload", st.actions[st.split_of(i)])], q)
-            _add_copy_in(g, mem, q, i, layer_copy(mem, a.stage, float(mem.stash_offload_bytes[a.stage]), stash=True))
+            _add_copy_in(g, mem, q, i, lc[a.stage])
 
 
 def _add_copy_out(g: GraphBuilder, mem: MemoryPlan, x: int, q: int, lc: LayerCopy | None) -> None:
@@ -474,6 +473,24 @@ def layer_copy(mem: MemoryPlan, chunk: int, nbytes: float, stash: bool = False, 
     u = nbytes / piece
     k = min(max(math.ceil(u - 1e-9), 1), max(int(n), 1))
     return LayerCopy(n, k, (u - (k - 1)) * piece / (mem.nvme_bps if nvme else mem.host_link_bps))
+
+
+def activation_layer_copies(mem: MemoryPlan) -> list[LayerCopy | None]:
+    """Per chunk: how its activations' offload (after F) and prefetch (before B/I) move (layer_copy); it depends
+    on the chunk only, so the engine and the step graph compute it once per chunk, not once per action."""
+    n = len(mem.offload_bytes)
+    if not (mem.layer_copies and mem.offloads):
+        return [None] * n
+    nvme = activation_nvme(mem)
+    return [layer_copy(mem, c, float(mem.offload_bytes[c]), nvme=bool(nvme[c])) for c in range(n)]
+
+
+def stash_layer_copies(mem: MemoryPlan) -> list[LayerCopy | None]:
+    """Per chunk: how its W stash's offload (after I) and prefetch (before W) move (layer_copy)."""
+    n = len(mem.offload_bytes)
+    if not (mem.layer_copies and mem.offloads_stash):
+        return [None] * n
+    return [layer_copy(mem, c, float(mem.stash_offload_bytes[c]), stash=True) for c in range(n)]
 
 
 @dataclass(frozen=True, slots=True)
