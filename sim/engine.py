@@ -59,7 +59,7 @@ from sim.graph import (
     weight_windows,
 )
 from sim.ir import BACKWARD_KINDS, Action, Kind, Schedule
-from sim.memory_plan import MemoryPlan, keep_everything
+from sim.memory_plan import MemoryPlan, keep_everything, or_zeros
 
 
 class DeadlockError(ScheduleError):
@@ -272,17 +272,15 @@ class _StepSimulation:
         self.dram = per_rank_sum(mem.static_host_bytes.get("dram", np.zeros(0)), s2r, n_ranks).tolist()
         self.nvme = per_rank_sum(mem.static_host_bytes.get("nvme", np.zeros(0)), s2r, n_ranks).tolist()
         self.peak_act = [0.0] * n_ranks
-        self.stash = mem.stash_bytes.tolist() if len(mem.stash_bytes) else [0.0] * schedule.num_stages
+        n_s = schedule.num_stages
+        self.stash = or_zeros(mem.stash_bytes, n_s).tolist()
         # what a forward / a backward leaves behind until the step ends (torch pipelining's stage outputs and input
         # gradients, sim/p2p_buffers.py)
-        zeros = [0.0] * schedule.num_stages
-        self.f_left = mem.forward_retained_bytes.tolist() if len(mem.forward_retained_bytes) else zeros
-        self.b_left = mem.backward_retained_bytes.tolist() if len(mem.backward_retained_bytes) else zeros
-        self.step_transient = per_rank_sum(mem.step_transient_bytes, s2r, n_ranks).tolist() \
-            if len(mem.step_transient_bytes) else [0.0] * n_ranks
+        self.f_left = or_zeros(mem.forward_retained_bytes, n_s).tolist()
+        self.b_left = or_zeros(mem.backward_retained_bytes, n_s).tolist()
+        self.step_transient = per_rank_sum(mem.step_transient_bytes, s2r, n_ranks).tolist()  # empty: zeros
         # offloaded weights that return for a GPU optimizer's update (sim.memory.with_weight_offload)
-        self.step_weights = per_rank_sum(mem.step_weight_bytes, s2r, n_ranks).tolist() \
-            if len(mem.step_weight_bytes) else [0.0] * n_ranks
+        self.step_weights = per_rank_sum(mem.step_weight_bytes, s2r, n_ranks).tolist()
         self.step_tail = costs.step_tail_s.tolist() if costs.step_tail_s is not None else [0.0] * n_ranks
         self.peak_dram, self.peak_nvme = list(self.dram), list(self.nvme)
         self.busy = [0.0] * n_ranks

@@ -176,7 +176,7 @@ def with_copy_granularity(sc: Scenario, costs: CostTable, plan: MemoryPlan) -> M
         return plan
     d = costs.detail
     layers = np.maximum(np.asarray(d.layers, dtype=float), 1.0)
-    stash = plan.stash_bytes if len(plan.stash_bytes) else np.zeros(costs.num_chunks)
+    stash = or_zeros(plan.stash_bytes, costs.num_chunks)
     return dataclasses.replace(plan, copy_layers=layers,
                                activation_piece_bytes=np.asarray(d.layer_activation_bytes, dtype=float),
                                stash_piece_bytes=stash / layers)
@@ -216,15 +216,11 @@ def with_weight_offload(plan: MemoryPlan, costs: CostTable, chunks: np.ndarray, 
         plan,
         weight_offload_bytes=w,
         static_host_bytes={**plan.static_host_bytes, "dram": dram + w},  # the pinned host copy
-        step_h2d_bytes=np.maximum(or_zeros_like(plan.step_h2d_bytes, w) + np.where(host_optimizer, -away, away), 0.0),
-        step_d2h_bytes=or_zeros_like(plan.step_d2h_bytes, w) + np.where(host_optimizer, 0.0, w),
+        step_h2d_bytes=np.maximum(or_zeros(plan.step_h2d_bytes, len(w)) + np.where(host_optimizer, -away, away), 0.0),
+        step_d2h_bytes=or_zeros(plan.step_d2h_bytes, len(w)) + np.where(host_optimizer, 0.0, w),
         step_weight_bytes=np.where(host_optimizer, 0.0, away),
         policy=tuple(f"{p}, weights offloaded" if chunks[c] else p for c, p in enumerate(plan.policy)),
     )
-
-
-def or_zeros_like(values: np.ndarray, like: np.ndarray) -> np.ndarray:
-    return values if len(values) == len(like) else np.zeros_like(like)
 
 
 def with_states(sc: Scenario, costs: CostTable, plan: MemoryPlan) -> MemoryPlan:

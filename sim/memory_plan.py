@@ -100,5 +100,6 @@ def keep_everything(costs: CostTable) -> MemoryPlan:
 
 
 def or_zeros(values: np.ndarray | None, n: int) -> np.ndarray:
-    """A per-chunk array, or zeros where the cost table has none (explicit costs)."""
-    return np.zeros(n) if values is None else np.asarray(values, dtype=float)
+    """A per-chunk array as floats, or n zeros where there is none: None (a cost table without that detail,
+    explicit costs) or empty (a MemoryPlan field left at its default: the plan holds nothing of that kind)."""
+    return np.zeros(n) if values is None or not len(values) else np.asarray(values, dtype=float)

@@ -329,7 +329,7 @@ def plan_memory(
         if not fits:
             limit -= float((res.peak_hbm_bytes - base.hbm_limit_bytes).max())
         if res.stall_s is not None and res.makespan_s > t_pred:
-            copies = (plan.offload_bytes > 0) | (or_zeros(plan.stash_offload_bytes, costs.num_chunks) > 0)
+            copies = (plan.offload_bytes > 0) | (plan.stash_offload_bytes > 0)  # plan_from_choice sets both per chunk
             # layer-wise copies overlap their producer and consumer, so a doubled copy time overshoots far:
             # their copies slow by the step's own excess instead
             step = 2.0 if not plan.layer_copies else res.makespan_s / t_pred
@@ -659,10 +659,9 @@ def _hbm_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, base: Me
     s2r, n_r = np.asarray(schedule.stage_to_rank), schedule.num_ranks
     static_r = per_rank_sum(base.static_hbm_bytes, s2r, n_r)
     hs_r = per_rank_sum(host_states, s2r, n_r)
-    stash = base.stash_bytes if len(base.stash_bytes) else np.zeros(costs.num_chunks)
-    zero = np.zeros(costs.num_chunks)
-    f_left = base.forward_retained_bytes if len(base.forward_retained_bytes) else zero
-    b_left = base.backward_retained_bytes if len(base.backward_retained_bytes) else zero
+    n_c = costs.num_chunks
+    stash = or_zeros(base.stash_bytes, n_c)
+    f_left, b_left = or_zeros(base.forward_retained_bytes, n_c), or_zeros(base.backward_retained_bytes, n_c)
     for p in range(len(pos.rank)):
         r = pos.rank[p]
         N, R = pos.inflight[p], pos.resident[p]
