@@ -439,6 +439,9 @@ class Scenario(_Section):
             keys = ("forward_s", "backward_input_s", "backward_weight_s", "activation_bytes", "static_bytes")
             for key in (*keys, "checkpoint_bytes"):
                 _check_per_chunk(f"costs.{key}", getattr(self.costs, key), chunks)
+            if self.pipeline.p2p_buffers != "per-exchange":
+                raise ValueError(f"pipeline.p2p_buffers: '{self.pipeline.p2p_buffers}' needs a [model] scenario "
+                                 "(explicit [costs] give no boundary tensor to size the buffers); use 'per-exchange'")
         if self.model is not None:
             _check_layer_split(self.pipeline, self.model.layers, chunks)
         _check_per_chunk("memory.recompute", self.memory.recompute, chunks)

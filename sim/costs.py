@@ -14,7 +14,6 @@ import numpy as np
 from sim.chunk_detail import ChunkDetail
 from sim.config import CostsConfig, Scenario
 from sim.cost_model import model_chunk_costs
-from sim.errors import ScenarioError
 from sim.ir import Action, Kind
 
 __all__ = ["ChunkDetail", "CostTable", "build_cost_table", "per_rank_sum"]
@@ -85,9 +84,6 @@ def _build_cost_table(sc: Scenario) -> CostTable:
     p, v, m = sc.pipeline.stages, sc.pipeline.virtual_stages, sc.pipeline.microbatches
     chunks = p * v
     if sc.costs is not None:
-        if sc.pipeline.p2p_buffers != "per-exchange":
-            raise ScenarioError(f"pipeline.p2p_buffers: '{sc.pipeline.p2p_buffers}' needs a [model] scenario (explicit "
-                                "[costs] give no boundary tensor to size the buffers); use 'per-exchange'")
         c: CostsConfig = sc.costs
         return CostTable(
             ranks=p,

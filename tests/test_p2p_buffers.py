@@ -13,6 +13,7 @@ from scenarios import scenario_path
 from sim.config import load_scenario
 from sim.costs import build_cost_table
 from sim.engine import simulate
+from sim.errors import ScenarioError
 from sim.memory import build_memory_plan
 from sim.step import resolve_schedule
 
@@ -68,11 +69,17 @@ def test_engine_holds_outputs_and_input_gradients_to_the_step_end(both):
     assert M * B < grown <= M * B + M * B * frag * (1 + 1e-9)
 
 
-def test_explicit_costs_refuse_per_microbatch(tmp_path, capsys):
+@pytest.mark.parametrize("command", ["simulate", "show"])
+def test_explicit_costs_refuse_per_microbatch_at_load(tmp_path, capsys, command):
+    """The scenario validator refuses it (sim/config.py), so even `show`, which builds no simulation, exits 2."""
     scen = str(scenario_path("explicit-unit"))
-    code = main(["simulate", scen, "--set", "pipeline.p2p_buffers=\"per-microbatch\"", "--out", str(tmp_path / "o")])
+    with pytest.raises(ScenarioError, match=r"pipeline\.p2p_buffers: 'per-microbatch' needs a \[model\] scenario"):
+        load_scenario(scen, {"pipeline.p2p_buffers": "per-microbatch"})
+    out = ["--out", str(tmp_path / "o")] if command == "simulate" else []
+    code = main([command, scen, "--set", "pipeline.p2p_buffers=\"per-microbatch\"", *out])
     err = capsys.readouterr().err
-    assert code == 2 and "pipeline.p2p_buffers" in err and err.count("\n") == 1
+    assert code == 2 and "pipeline.p2p_buffers" in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
 
 
 def test_bad_value_exits_2_in_one_line(tmp_path, capsys):
