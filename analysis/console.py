@@ -32,6 +32,14 @@ def gib(x: float) -> str:
     return f"{x / 2**30:.2f}"
 
 
+def step_differs(summary: dict[str, Any], spec: str = ".6g") -> bool:
+    """Whether the step (what tokens/s counts: the tails after the pipeline, or with optimizer post-validation
+    the longest rank span) and the pipeline's makespan (what the bubble is of) print differently at `spec`: only
+    then are both shown. A summary without step_time_s (older outputs) has its step equal to the makespan."""
+    makespan = summary["makespan_s"]
+    return format(float(summary.get("step_time_s", makespan)), spec) != format(float(makespan), spec)
+
+
 def fit_line(summary: dict[str, Any], peak_key: str = "peak_hbm_bytes") -> str:
     """One line that answers "does it fit?": the tightest rank's peak HBM against capacity (and margin)."""
     peaks = summary[peak_key]
@@ -60,7 +68,7 @@ def print_simulation(summary: dict[str, Any], title: str) -> None:
         t.add_row(str(r), gib(a), f"[red]{gib(h)}[/]" if over else gib(h))
     console.print(t)
     line = f"makespan {summary['makespan_s']:.6g} s · "
-    if f"{summary['step_time_s']:.6g}" != f"{summary['makespan_s']:.6g}":  # tails, or post-validation's spans
+    if step_differs(summary):
         line += f"step {summary['step_time_s']:.6g} s · "
     line += (
         f"bubble {summary['bubble_ratio']:.1%} · "

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import pandas as pd
 
+from analysis.console import step_differs
 from analysis.sweep import fitting, invalid_reasons, ranked, speed_column, with_speed
 
 GiB = 2**30
@@ -230,9 +231,9 @@ def simulate_answer(folder: Path) -> list[Block]:
     lead = f"{what}: one step takes {_num(step, '.4g')} s"
     if "tokens_per_s" in s:
         lead += f", {_num(s['tokens_per_s'])} tokens/s at MFU {_pct(s.get('mfu'))}"
-    if _num(step, ".4g") == _num(makespan, ".4g"):
+    if not step_differs(s, ".4g"):
         lead += f"; ranks are idle {_pct(s['bubble_ratio'])} of it."
-    else:  # the step tails (or, with optimizer post-validation, the longest rank span) make it differ
+    else:
         lead += (f"; the pipeline's makespan is {_num(makespan, '.4g')} s and ranks are idle "
                  f"{_pct(s['bubble_ratio'])} of that.")
     out = [Block("lead", lead), Block("p", _fits_sentence(s, max(s["peak_hbm_bytes"])))]

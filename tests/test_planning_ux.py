@@ -114,6 +114,21 @@ def test_sweep_per_gpu_columns_invalid_reasons_and_report(tmp_path, capsys):
     assert "in transit between stages" in md and f"{best['step_tail_share']:.1%} of the step" in md
 
 
+@pytest.mark.parametrize("step,makespan,spec,shown_apart", [
+    (10.0000004, 10.0, ".6g", False),  # both print "10"
+    (10.0004, 10.0, ".6g", True),  # "10.0004" vs "10"
+    (10.0004, 10.0, ".4g", False),  # the report's precision hides it
+    (10.02, 10.0, ".4g", True),
+    (None, 10.0, ".6g", False),  # an older summary: no step_time_s, the step is the makespan
+])
+def test_step_is_shown_apart_only_where_it_prints_differently(step, makespan, spec, shown_apart):
+    """One rule for `simulate`, `show` and the report's lead (analysis.console.step_differs)."""
+    from analysis.console import step_differs
+
+    summary = {"makespan_s": makespan} | ({} if step is None else {"step_time_s": step})
+    assert step_differs(summary, spec) is shown_apart
+
+
 def test_report_answers_for_simulate_and_plan(tmp_path):
     sim, plan = tmp_path / "sim", tmp_path / "plan"
     assert main(["simulate", "--set", "device.hbm_gib=93.6", "--out", str(sim)]) == 0  # the 96 GB H100 fits

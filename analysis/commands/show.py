@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from analysis.console import console, fit_line, gib
+    from analysis.console import console, fit_line, gib, step_differs
     from sim.config import load_scenario, resolve_scenario_path
     from sim.costs import build_cost_table
     from sim.trace import simulation_summary
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     # the step as tokens/s counts it (tails; with optimizer post-validation the longest rank span), then the
     # pipeline's makespan, over which the bubble is measured
     line = f"step {summary['step_time_s']:.6g} s"
-    if f"{summary['step_time_s']:.6g}" != f"{summary['makespan_s']:.6g}":
+    if step_differs(summary):
         line += f" (makespan {summary['makespan_s']:.6g} s)"
     line += f" · bubble {summary['bubble_ratio']:.1%}"
     if "tokens_per_s" in summary:
