@@ -29,7 +29,18 @@ METRICS = ["status", "reason", "gpus", "global_batch", "tokens_per_s", "tokens_p
 """sweep.csv's columns after config_id and the grid keys. gpus = stages x tp x dp; global_batch = sequences per
 step (microbatches x micro_batch_size x dp); tokens_per_s_per_gpu makes configurations of different sizes
 comparable. p2p_wait_share: rank-time idle only because an input was on a link (part of the bubble);
-step_tail_share: the step after the pipeline's last action (data-parallel gradient reduction, optimizer step)."""
+step_tail_share: the step after the pipeline's last action (data-parallel gradient reduction, optimizer step), 0
+where the step is shorter than the makespan (step_tail_share)."""
+
+
+def step_tail_share(makespan_s: float, step_time_s: float) -> float:
+    """The share of the step after the pipeline's makespan: its tails (data-parallel gradient reduction,
+    optimizer step). Never below 0: with training.optimizer_post_validation the step is the longest rank span
+    (from the rank's first action to its optimizer step's end), which can be shorter than the makespan (from
+    the first rank's start to the last rank's end); no part of that step runs after the pipeline, and a
+    negative share would read as time saved and lower the communication total the report judges
+    (p2p_wait_share + this)."""
+    return max(0.0, 1.0 - makespan_s / step_time_s) if step_time_s > 0 else 0.0
 
 
 def parse_grid(items: list[str]) -> dict[str, list[Any]]:
@@ -148,7 +159,7 @@ def evaluate(
             "step_time_s": res.step_time_s,
             "bubble_ratio": res.bubble_ratio,
             "p2p_wait_share": res.p2p_wait_share,
-            "step_tail_share": max(0.0, 1.0 - res.makespan_s / res.step_time_s) if res.step_time_s > 0 else 0.0,
+            "step_tail_share": step_tail_share(res.makespan_s, res.step_time_s),
             "max_peak_hbm_bytes": float(res.peak_hbm_bytes.max()),
             "fits": fit.fits,
             "tightest_rank": fit.rank,

@@ -107,14 +107,32 @@ def test_step_tail_share_under_post_validation(schedule, zero):
     (the share is clamped at 0), the default scenario's 1F1B rank 0 starts first and ends last, so its span is the
     makespan plus its own optimizer step (a share above 0, as docs/sweep.md says)."""
     from analysis.sweep import evaluate
+    from sim.config import load_scenario
+    from solver.step import simulate_with_memory_policy
 
     over = {"pipeline.schedule": schedule, "training.optimizer_post_validation": True}
     row = evaluate(str(scenario_path("llama3-8b-pp4-h100")), over, False)
     assert row["status"] == "ok"
+    res, _ = simulate_with_memory_policy(load_scenario(scenario_path("llama3-8b-pp4-h100"), over))
+    assert row["step_time_s"] == res.step_time_s
     if zero:
-        assert row["step_tail_share"] == 0.0
+        assert res.step_time_s < res.makespan_s and row["step_tail_share"] == 0.0
     else:
+        assert res.step_time_s > res.makespan_s
+        assert row["step_tail_share"] == pytest.approx((res.step_time_s - res.makespan_s) / res.step_time_s)
         assert 0.0 < row["step_tail_share"] < 0.05
+
+
+@pytest.mark.parametrize("makespan,step,share", [
+    (10.0, 12.5, 0.2),  # 2.5 s of tails in a 12.5 s step
+    (10.0, 10.0, 0.0),
+    (10.0, 9.5, 0.0),  # post-validation's span under the makespan: no tail, not -5.3%
+    (10.0, 0.0, 0.0),  # an empty step
+])
+def test_step_tail_share_is_the_step_past_the_makespan_and_never_negative(makespan, step, share):
+    from analysis.sweep import step_tail_share
+
+    assert step_tail_share(makespan, step) == pytest.approx(share)
 
 
 def test_invalid_reasons_keep_their_brackets(tmp_path, capsys):
