@@ -31,7 +31,7 @@ import torch
 
 from lcp.limits import check_results
 from lcp.ranking import LCPTopK
-from lcp.tokens import as_batch, check_lengths, check_rows
+from lcp.tokens import check_lengths
 
 if TYPE_CHECKING:
     from lcp.index import LCPIndex
@@ -189,12 +189,12 @@ class CPUEngine:
         return self.starts.numel() * self.starts.element_size() + self.heads.nbytes
 
     def topk(
-        self, queries: object, k: int, query_lengths: object, direct_cap: int | None, out: LCPTopK | None = None
+        self, queries: torch.Tensor, k: int, query_lengths: object, single: bool, direct_cap: int | None,
+        out: LCPTopK | None = None,
     ) -> LCPTopK:
-        """LCPTopK of queries [B, L'] (or one query [L']) of any integer dtype; see LCPIndex.topk. `out`
-        (checked by LCPIndex.topk) is written in place of fresh arrays and returned."""
-        queries, query_lengths, single = as_batch(queries, query_lengths)
-        check_rows(queries, "queries")
+        """LCPTopK of a batch of queries [B, L'] of any integer dtype, as LCPIndex.topk checked it (`single`: one
+        query [L'], answered as [k]); see LCPIndex.topk. `out` (checked there too) is written in place of fresh
+        arrays and returned."""
         b, width = queries.shape
         check_results(b, k)
         q = np.ascontiguousarray(queries.detach().cpu().numpy(), dtype=np.int64)

@@ -233,12 +233,13 @@ class LCPIndex:
         the index — is an LCPError before anything is written.
         """
         k = check_k(k)
-        if out is not None:
-            out = self._check_out(out, queries, query_lengths, k)
-        if self._engine is not None:
-            return self._engine.topk(queries, k, query_lengths, self.direct_cap, out)
         queries, query_lengths, single = as_batch(queries, query_lengths)
-        check_results(queries.shape[0] if isinstance(queries, torch.Tensor) and queries.dim() else 1, k)
+        check_rows(queries, "queries")  # first, and once for out= and the numba engine, which take it as checked
+        if out is not None:
+            out = self._check_out(out, queries, query_lengths, single, k)
+        if self._engine is not None:
+            return self._engine.topk(queries, k, query_lengths, single, self.direct_cap, out)
+        check_results(queries.shape[0], k)
         qw, qlen = prepare_queries(queries, query_lengths, self.fmt, self.device)
         b, kk = qw.shape[0], min(k, self.n)
         ids = torch.full((b, k), -1, dtype=torch.int64, device=self.device)
@@ -254,11 +255,10 @@ class LCPIndex:
         out.ids.copy_(top.ids)
         return out
 
-    def _check_out(self, out: object, queries: object, query_lengths: object, k: int) -> LCPTopK:
-        """topk's `out`, checked against the shape the answer will have (see ranking.check_out)."""
-        batch, _, single = as_batch(queries, None)
-        check_rows(batch, "queries")  # the usual error first, for what cannot be a batch
-        shape = (k,) if single else (batch.shape[0], k)
+    def _check_out(self, out: object, queries: torch.Tensor, query_lengths: object, single: bool, k: int) -> LCPTopK:
+        """topk's `out`, checked against the shape the answer will have (see ranking.check_out), for the batch
+        topk has checked (`single`: it was one query [L'])."""
+        shape = (k,) if single else (queries.shape[0], k)
         keep = [queries, self.cols, self.ids, self.adj] + [
             t for t in (query_lengths, self.lengths) if isinstance(t, torch.Tensor)
         ]
