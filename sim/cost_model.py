@@ -17,7 +17,7 @@ import numpy as np
 
 from sim.activations import DTYPE_BYTES, boundary_bytes, layer_memory, logits_bytes, sequence_divisor
 from sim.chunk_detail import ChunkDetail
-from sim.comm import build_links, p2p_link, tp_link
+from sim.comm import Links, all_gather_s, build_links, p2p_link, tp_link
 from sim.config import Scenario
 from sim.data_parallel import StepTail, effective_zero, step_tail
 from sim.layer_ops import HeadTimes, LayerTimes, head_times, layer_flops, layer_times, op_checkpoint_bytes
@@ -187,6 +187,33 @@ def chunk_layers(sc: Scenario) -> list[int]:
     return place_layers(sc, lt, extra_f + extra_i + extra_w)
 
 
+def p2p_transfer_s(sc: Scenario, links: Links) -> float:
+    """One hop of the boundary tensor between pipeline neighbours (an activation forward, its gradient back),
+    as each TP rank sees it: it sends its copy to its counterpart on the neighbouring stage.
+
+    With sequence parallelism that copy is the sequence shard, e·b·s·h/t (boundary_bytes, which the P2P
+    buffers hold too; Megatron-LM's get_tensor_shapes divides seq_length by t only with SP,
+    megatron/core/pipeline_parallel/schedules.py lines 2140-2143 at d98e8a64dd). Without it every TP rank holds
+    the whole tensor, and
+      - tp_style "megatron" sends it with Megatron-LM's scatter-gather (Narayanan et al. 2021, §4.1; on by
+        default since commit 72e4230bb5, February 2021): each rank sends 1/t of it
+        (split_tensor_into_1d_equal_chunks) and the receiver all-gathers the whole tensor over the TP group
+        before using it (gather_split_1d_tensor), megatron/p2p_communication.py `_communicate` lines 148-164,
+        187-195 and 233-249 at 0b44909c1a. Megatron-LM dropped it when the schedules moved into megatron/core
+        (3c92fa93b5, March 2023; since then each rank sends the whole tensor): pipeplan models the Megatron
+        of the papers it validates against (2021-2022);
+      - tp_style "dtensor" (torch.distributed.pipelining) sends the stage's output as it is, whole
+        (PipelineStage.get_fwd_send_ops, torch/distributed/pipelining/stage.py)."""
+    m = sc.model
+    assert m is not None
+    full = DTYPE_BYTES[sc.training.dtype] * sc.training.micro_batch_size * m.seq_len * m.hidden
+    t = sc.parallel.tp
+    link = p2p_link(sc, links)
+    if t > 1 and not sc.parallel.sequence_parallel and sc.parallel.tp_style == "megatron":
+        return link.transfer_s(full / t) + all_gather_s(full, t, tp_link(sc, links))
+    return link.transfer_s(boundary_bytes(sc))
+
+
 def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     """Resolve a model-derived scenario into per-chunk costs."""
     m, tr, t = sc.model, sc.training, sc.parallel.tp
@@ -264,7 +291,6 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     )
     flops_mb = t * (m.layers * (lc.forward_flops + lc.backward_input_flops + lc.backward_weight_flops)
                     + 3 * head.flops)
-    p2p_bytes = e * b * s * h / t
     static_parts = ("weights", "gradients", "master_weights", "optimizer", "p2p_buffers")
     return ChunkCosts(
         forward_s=fwd,
@@ -273,7 +299,7 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
         activation_bytes=act * frag,
         static_bytes=sum(states[k] for k in static_parts),
         params=params,
-        p2p_s=p2p_link(sc, links).transfer_s(p2p_bytes),
+        p2p_s=p2p_transfer_s(sc, links),
         hbm_bytes=dev["hbm_gib"] * 2**30,
         flops_per_microbatch=flops_mb,
         tokens_per_microbatch=b * s,

@@ -184,6 +184,18 @@ def test_links_follow_placement():
     assert dp_link(small, small_links).bytes_per_s == 300e9
 
 
+@pytest.mark.parametrize("sp,style", [(True, "megatron"), (False, "megatron"), (False, "dtensor")])
+def test_p2p_hop_by_hand(sp, style):
+    """GPT-3 175B at b = 1 on DGX A100s (each stage its own node: 25 GB/s HDR between stages, 10 us; TP 8 on
+    NVLink, 300 GB/s, 5 us). With SP each TP rank sends its sequence shard; without, Megatron's scatter-gather
+    sends 1/8 and all-gathers the rest over NVLink, torch pipelining sends the whole replicated tensor."""
+    sc = gpt(parallel={"sequence_parallel": sp, "tp_style": style})
+    full = 2 * SBH  # bf16 [s, b, h]: 50.3 MB
+    on_wire = {(True, "megatron"): full / 8, (False, "megatron"): full / 8, (False, "dtensor"): full}[(sp, style)]
+    gather = 7 * 5e-6 + 7 / 8 * full / 300e9 if (sp, style) == (False, "megatron") else 0.0
+    assert build_cost_table(sc).p2p_s == pytest.approx(10e-6 + on_wire / 25e9 + gather)
+
+
 def test_wave_quantisation_and_efficiency_rising_with_gemm_size():
     assert wave_efficiency(256, 128 * 133, 132) == pytest.approx(133 / 264)  # one tile into a second wave
     dev = device_spec(load_scenario())
