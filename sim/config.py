@@ -207,7 +207,9 @@ class ParallelConfig(_Section):
     ColwiseParallel / RowwiseParallel (torchtitan): the matmul saves the gathered input, so nothing is
     re-gathered, and with `training.float8_linears` the all-gathers move float8 (torchao's
     PrepareFloat8ModuleInput / Float8ColwiseParallel cast before gathering, Float8RowwiseParallel casts the
-    output gradient before its backward all-gather). sim/tp_comm.py."""
+    output gradient before its backward all-gather). sim/tp_comm.py. Without sequence parallelism it also decides
+    how a pipeline hop moves: "megatron" by Megatron-LM's scatter-gather of 2021-2022 (1/t per TP rank, then an
+    all-gather over TP on the receiver), "dtensor" whole (sim.cost_model.p2p_transfer_s)."""
     tp_comm_overlap: Literal["none", "full", "async-tp"] = "none"
     """How the TP collectives overlap the GEMMs. "none": each adds to its pass. "full": a pass takes
     max(GEMMs, collectives), an upper bound (Megatron --tp-comm-overlap with Transformer Engine's
