@@ -298,6 +298,8 @@ def capacity_table(
     if base.model is None:
         raise ScenarioError("capacity: needs a [model] scenario (explicit costs have no depth to vary)")
     unknown = [p for p in policies if p not in POLICIES]
+    if not policies:
+        raise ScenarioError(f"--policies: give at least one; allowed: {', '.join(POLICIES)}")
     if unknown:
         raise ScenarioError(f"--policies: unknown {', '.join(unknown)}; allowed: {', '.join(POLICIES)}")
     keep = {**(overrides or {}), "memory.hbm_margin_gib": base.memory.hbm_margin_gib}

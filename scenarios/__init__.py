@@ -15,10 +15,15 @@ def scenario_names() -> list[str]:
 
 
 def scenario_description(name: str) -> str:
-    """The first comment line of a shipped scenario: what it is and where its numbers come from."""
+    """The first sentence of a shipped scenario's opening comment: what it is and where its numbers come from.
+
+    A sentence may wrap over several comment lines; it ends at a full stop followed by a space or the end of
+    the comment (so "arXiv 2503.03182" does not end it)."""
+    words: list[str] = []
     for line in scenario_path(name).read_text().splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").strip()
-        if line.strip():
+        if not line.startswith("#"):
             break
-    return ""
+        words += line.lstrip("#").split()
+    text = " ".join(words)
+    end = text.find(". ")
+    return text if end < 0 else text[: end + 1]

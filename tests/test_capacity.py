@@ -38,9 +38,11 @@ def test_capacity_1f1b_and_recompute(tmp_path, capsys):
 def test_capacity_bad_input(tmp_path, capsys):
     assert main(["capacity", SEVENTY, "--policies", "magic", "--out", str(tmp_path / "a")]) == 2
     assert main(["capacity", str(scenario_path("explicit-unit")), "--out", str(tmp_path / "b")]) == 2
+    assert main(["capacity", SEVENTY, "--policies", ",", "--out", str(tmp_path / "c")]) == 2  # no name at all
     err = capsys.readouterr().err
     assert "unknown magic; allowed: 1f1b" in err and "needs a [model] scenario" in err
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert "--policies: give at least one; allowed: 1f1b" in err
+    assert not any((tmp_path / name).exists() for name in "abc")
 
 
 def test_frontier_depths_are_multiples_from_end_to_end():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from analysis.cli import main
 from analysis.sweep import run_sweep
 from scenarios import scenario_path
 from sim.errors import PipeplanError
@@ -46,3 +47,14 @@ def test_cluster_sweep_matches_local_and_resumes(tmp_path, scheduler):
 def test_unreachable_scheduler_is_one_line(tmp_path):
     with pytest.raises(PipeplanError, match=r"--scheduler tcp://127\.0\.0\.1:1"):
         run_sweep(EIGHT_B, GRID, tmp_path, jobs=1, plan_freeze=False, scheduler="tcp://127.0.0.1:1")
+
+
+@pytest.mark.parametrize("address", ["nonsense", "foo://127.0.0.1:1", "tcp://host"])
+def test_malformed_scheduler_address_is_one_line_and_writes_nothing(tmp_path, capfd, address):
+    """A malformed address is refused before the folder is claimed, without Dask's Client.__del__ traceback."""
+    out = tmp_path / "sw"
+    assert main(["sweep", EIGHT_B, "--grid", "pipeline.microbatches=8,16", "--scheduler", address,
+                 "--out", str(out)]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith(f"pipeplan sweep: error: --scheduler {address}: not a Dask scheduler address")
+    assert len(err.strip().splitlines()) == 1 and not out.exists()

@@ -191,6 +191,18 @@ def test_scenarios_lists_every_shipped_one(capsys):
     assert all(name in text for name in scenario_names())
 
 
+def test_scenario_description_is_the_whole_first_sentence(monkeypatch, tmp_path):
+    """A description wrapping over comment lines is read to its full stop, not cut at the first line's end."""
+    import scenarios
+
+    (tmp_path / "wrapped.toml").write_text("# A model on a CPU: wide layers, so that the linear\n"
+                                           "# layers' W work (arXiv 2503.03182) is a real share. Two ranks.\n"
+                                           "\n# not the description\n[pipeline]\n")
+    monkeypatch.setattr(scenarios, "SCENARIO_DIR", tmp_path)
+    assert scenarios.scenario_description("wrapped") == ("A model on a CPU: wide layers, so that the linear "
+                                                         "layers' W work (arXiv 2503.03182) is a real share.")
+
+
 @pytest.mark.parametrize("flags", [[], ["--costs"]])
 def test_init_template_simulates_as_written(tmp_path, flags):
     path = tmp_path / "mine.toml"

@@ -63,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     from sim.config import load_scenario
 
     load_scenario(args.scenario, base)  # bad input is one line, before any progress bar
+    if args.scheduler:
+        check_scheduler_address(args.scheduler)
     out = Path(args.out)
     claim_sweep_folder(args)
     with Progress(console=console) as bar:
@@ -90,3 +92,21 @@ def claim_sweep_folder(args: argparse.Namespace) -> None:
     if (output_manifest(args.out) or {}).get("command") != "sweep":
         with output_folder(args):
             pass
+
+
+def check_scheduler_address(address: str) -> None:
+    """Refuse a malformed --scheduler address before the output folder is claimed. Dask's Client refuses it
+    only inside its constructor, whose half-built object then prints a traceback from its __del__."""
+    try:
+        from distributed.comm.addressing import parse_address, parse_host_port
+        from distributed.comm.registry import get_backend
+    except ImportError:
+        raise PipeplanError("--scheduler: needs Dask distributed; install pipeplan[cluster]") from None
+    try:
+        scheme, location = parse_address(address)
+        get_backend(scheme)
+        if scheme != "inproc":  # an in-process address has no host and port
+            parse_host_port(location)
+    except ValueError as exc:
+        raise PipeplanError(f"--scheduler {address}: not a Dask scheduler address ({exc}); "
+                            "give SCHEME://HOST:PORT, e.g. tcp://10.0.0.1:8786") from None
