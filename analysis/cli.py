@@ -134,10 +134,12 @@ def check_outputs_first(args: argparse.Namespace) -> None:
     if out is None:
         return
     from analysis.outputs import command_name
-    from common.io import check_folder_owner, check_output_file, check_output_folder
+    from common.io import check_file_owner, check_folder_owner, check_output_file, check_output_folder
 
     if getattr(args, "lcp_command", None) in ("build", "query"):
-        check_output_file(out)
+        from analysis.commands.lcp import output_signature
+
+        check_file_owner(check_output_file(out), *output_signature(args.lcp_command), bool(args.force))
         return
     check_folder_owner(check_output_folder(out), command_name(args), bool(getattr(args, "force", False)))
 

@@ -199,6 +199,24 @@ def check_folder_owner(out: Path, command: str, force: bool, flag: str = "--out"
         )
 
 
+def check_file_owner(path: Path, signature: bytes, what: str, force: bool, flag: str = "--out") -> None:
+    """Refuse to replace an existing, non-empty regular file that does not start with `signature` (how the
+    file pipeplan writes there begins: an LCP index's magic, a CSV's header line), unless `force`.
+
+    A file output is replaced atomically, which makes replacing someone's unrelated file just as final; an
+    absent or empty file, or one of the kind the command writes, is replaced as before."""
+    if force or _existing_kind(path) != "file":
+        return
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(signature))
+    except OSError:
+        head = b"?"  # unreadable: certainly not one of ours
+    if head and head != signature:
+        raise OutputPathError(f"{flag} {short_path(path)}: an existing file that is not {what}; choose a new "
+                              "path, or pass --force to replace it")
+
+
 def clean_stale_staging(out: Path) -> None:
     """Delete `.<out>.staging-*` and `.<out>.old-*` folders whose process has died (or, if unnamed, old)."""
     parent = out.absolute().parent

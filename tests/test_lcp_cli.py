@@ -201,3 +201,31 @@ def test_bench_reuse_out_times_the_index_into_one_result(tmp_path, monkeypatch):
     assert len(timed) == 3 and len(set(timed)) == 1  # three timed calls, one reused pair
     assert json.loads((out / "meta.json").read_text())["config"]["reuse_out"] is True
     assert (pd.read_csv(out / "bench.csv").set_index("method").loc["index", "p50_ms"]) > 0
+
+
+def test_out_file_of_another_kind_is_kept_unless_force(tmp_path, rows_npy, capsys):
+    """build and query replace their own kind of file (an index, a query CSV) but not a user's unrelated file."""
+    path, rows = rows_npy
+    index, hits, notes = tmp_path / "rows.lcp", tmp_path / "hits.csv", tmp_path / "notes.txt"
+    np.save(tmp_path / "q.npy", rows[:3].numpy())
+    notes.write_text("my notes\n")
+    build = ["lcp", "build", "--input", str(path), "--out"]
+    query = ["lcp", "query", str(index), "--queries", str(tmp_path / "q.npy"), "--out"]
+    assert main([*build, str(index)]) == 0 and main([*build, str(index)]) == 0  # an index is rebuilt
+    assert main([*query, str(hits)]) == 0 and main([*query, str(hits)]) == 0  # a query CSV is rewritten
+    capsys.readouterr()
+    assert main([*build, str(notes)]) == 2
+    assert "notes.txt: an existing file that is not an LCP index" in capsys.readouterr().err
+    assert main([*query, str(notes)]) == 2
+    assert "not a query CSV" in capsys.readouterr().err
+    assert notes.read_text() == "my notes\n"
+    assert main([*query, str(notes), "--force"]) == 0
+    assert notes.read_text().startswith("query,rank,id,lcp\n")
+
+
+@pytest.mark.parametrize("sub", ["build", "query", "bench"])
+def test_each_subcommand_help_ends_with_its_examples(capsys, sub):
+    with pytest.raises(SystemExit):
+        main(["lcp", sub, "--help"])
+    examples = capsys.readouterr().out.split("examples:\n")[1].splitlines()
+    assert examples and all(ln.startswith((f"  pipeplan lcp {sub} ", "      --")) for ln in examples)

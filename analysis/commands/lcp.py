@@ -1,4 +1,4 @@
-"""`pipeplan lcp`: exact top-k longest-common-prefix retrieval — build an index, query it, benchmark it.
+r"""`pipeplan lcp`: exact top-k longest-common-prefix retrieval — build an index, query it, benchmark it.
 
     pipeplan lcp build --input rows.npy --out rows.lcp
     pipeplan lcp query rows.lcp --queries q.npy -k 10 [--out hits.csv]
@@ -52,21 +52,53 @@ MAX_COUNT = 1 << 40  # any row count, batch or k beyond this is a typo (and is r
 PRESET_NAMES = ("paper",)
 
 
+QUERY_HEADER = "query,rank,id,lcp\n"
+"""The first line of every CSV `pipeplan lcp query --out` writes."""
+
+
+def output_signature(lcp_command: str) -> tuple[bytes, str]:
+    """How the file `lcp build` or `lcp query` writes at --out begins, and what it is called: an existing
+    --out file that begins otherwise is not replaced without --force (common.io.check_file_owner)."""
+    if lcp_command == "build":
+        from lcp.fileformat import MAGIC
+
+        return MAGIC, "an LCP index"
+    return QUERY_HEADER.encode(), "a query CSV (query,rank,id,lcp)"
+
+
+def _examples(sub: str) -> str:
+    """The lines of this module's docstring for `pipeplan lcp <sub>` (with their continuation lines), as that
+    subcommand's --help epilog."""
+    picked: list[str] = []
+    for line in (__doc__ or "").splitlines():
+        if line.strip().startswith(f"pipeplan lcp {sub} ") or (picked and picked[-1].endswith("\\")):
+            picked.append(("  " if line.strip().startswith("pipeplan") else "      ") + line.strip())
+    return "examples:\n" + "\n".join(picked)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from analysis.outputs import add_force_argument
+
     sub = parser.add_subparsers(dest="lcp_command", required=True, parser_class=type(parser))
-    p = sub.add_parser("build", help="index the rows of a file", description="Index the rows of a file.")
+    raw = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser("build", help="index the rows of a file", description="Index the rows of a file.",
+                       epilog=_examples("build"), formatter_class=raw)
     p.add_argument("--input", required=True, help="rows: .npy, .pt or text (one sequence per line)")
     p.add_argument("--out", required=True, help="index file to write (atomically)")
     p.add_argument("--device", default="cpu", help="torch device to build on (default: cpu)")
+    p.add_argument("--force", action="store_true", help="replace --out even if it is not an LCP index")
 
-    p = sub.add_parser("query", help="top-k rows by LCP for each query", description="Query an index.")
+    p = sub.add_parser("query", help="top-k rows by LCP for each query", description="Query an index.",
+                       epilog=_examples("query"), formatter_class=raw)
     p.add_argument("index", help="index file written by `pipeplan lcp build`")
     p.add_argument("--queries", required=True, help="queries: .npy, .pt or text")
     p.add_argument("-k", type=int, default=10, help="results per query (default: 10)")
     p.add_argument("--device", default="cpu", help="torch device to query on (default: cpu)")
     p.add_argument("--out", help="CSV to write (query,rank,id,lcp); default: print to stdout")
+    p.add_argument("--force", action="store_true", help="replace --out even if it is not a query CSV")
 
-    p = sub.add_parser("bench", help="latency, memory and energy vs N", description="Benchmark sweep.")
+    p = sub.add_parser("bench", help="latency, memory and energy vs N", description="Benchmark sweep.",
+                       epilog=_examples("bench"), formatter_class=raw)
     p.add_argument("--preset", choices=sorted(PRESET_NAMES), help="a named setting; other flags override it")
     p.add_argument("--n", type=_counts, help="row counts, e.g. 1e4,1e5,2e7 (default: 1e4,1e5)")
     p.add_argument("--length", type=_count, help=f"tokens per row (default: 32; at most {MAX_LENGTH})")
@@ -91,8 +123,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "result pages per call (default: fresh results, as a plain call)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="data seed (default: 0)")
     p.add_argument("--out", default="out/lcp-bench", help="output folder (default: out/lcp-bench)")
-    from analysis.outputs import add_force_argument
-
     add_force_argument(p)
 
 
@@ -126,7 +156,7 @@ def _query(args: argparse.Namespace) -> int:
     queries, lengths = load_rows(args.queries)
     top = index.topk(queries, args.k, lengths)
     out = io.StringIO()
-    out.write("query,rank,id,lcp\n")
+    out.write(QUERY_HEADER)
     for q, (row_ids, row_lcps) in enumerate(zip(top.ids.tolist(), top.lcps.tolist(), strict=True)):
         for rank, (i, lcp) in enumerate(zip(row_ids, row_lcps, strict=True), start=1):
             if i >= 0:
