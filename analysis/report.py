@@ -9,6 +9,7 @@ is simulated here, so it works for simulate, plan, capacity, sweep, run and lcp 
 from __future__ import annotations
 
 import base64
+import csv
 import html
 import json
 from pathlib import Path
@@ -70,11 +71,32 @@ def _read_schedule(p: Path) -> pd.DataFrame:
     return pd.DataFrame({"rank": range(len(rows)), "actions": [" ".join(r) for r in rows]})
 
 
+def _check_complete(p: Path) -> None:
+    """Refuse a damaged or cut-off CSV: pandas would read a short last row as blanks and a cut header as a
+    table with no rows, and the answer would then be wrong ("nothing fits") rather than absent. pipeplan's
+    CSVs end with a newline and give every row the header's number of fields (schedule.csv has no header)."""
+    text = p.read_text(errors="replace")
+    if text and not text.endswith("\n"):
+        raise PipeplanError(f"report: {p} is cut off (no newline at its end); rerun the command that wrote it")
+    if p.name == "schedule.csv":
+        return
+    rows = csv.reader(text.splitlines())
+    width = len(next(rows, []))
+    for number, row in enumerate(rows, start=2):
+        if len(row) != width:
+            raise PipeplanError(f"report: {p} line {number} has {len(row)} fields, its header {width}; the file "
+                                "is damaged: rerun the command that wrote it")
+
+
 def sections(folder: Path) -> list[tuple[str, str, Any]]:
     """(title, kind, payload) per file: kind is 'table' (DataFrame, note) or 'image' (path)."""
+    from analysis.sweep import REJECTED
+
     out: list[tuple[str, str, Any]] = []
     files = [p for p in folder.iterdir()
              if p.is_file() and not p.name.startswith(".") and p.name not in ("report.html", "report.md")]
+    rejected = [p for p in files if p.name == REJECTED]  # the damaged lines a resumed sweep set aside
+    files = [p for p in files if p.name != REJECTED]
     for p in _ordered([f for f in files if f.suffix == ".json" and f.name != "trace.json"]):
         try:
             obj = json.loads(p.read_text())
@@ -83,6 +105,7 @@ def sections(folder: Path) -> list[tuple[str, str, Any]]:
         if isinstance(obj, dict):
             out.append((p.name, "table", (_flatten(obj), "")))
     for p in _ordered([f for f in files if f.suffix == ".csv"]):
+        _check_complete(p)
         try:
             df = _read_schedule(p) if p.name == "schedule.csv" else pd.read_csv(p)
         except (pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
@@ -95,6 +118,10 @@ def sections(folder: Path) -> list[tuple[str, str, Any]]:
             out.append((p.name, "table", (df.head(MAX_ROWS), note)))
     for p in sorted(f for f in files if f.suffix == ".png"):
         out.append((p.name, "image", p))
+    if rejected:
+        lines = len(rejected[0].read_text(errors="replace").splitlines())
+        out.append((REJECTED, "note", f"{lines} damaged line(s) of sweep.csv that resuming the sweep set aside "
+                                      "and computed again; not part of the results above"))
     if "trace.json" in {f.name for f in files}:
         out.append(("trace.json", "note", "Chrome trace: open it in https://ui.perfetto.dev or chrome://tracing"))
     return out

@@ -101,6 +101,48 @@ def test_report_bad_folders(tmp_path, capsys):
     assert "is not a folder" in err and "holds no pipeplan outputs" in err
 
 
+@pytest.fixture(scope="module")
+def unit_sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("unit") / "sw"
+    grid = ["--grid", "pipeline.microbatches=4,8,16"]
+    assert main(["sweep", str(scenario_path("explicit-unit")), *grid, "--jobs", "1", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda text: text[: text.index("\n") + 40], "is cut off (no newline at its end)"),  # a cut-off first row
+    (lambda text: text[:60], "is cut off"),  # a cut-off header: pandas would read a table with no rows
+    (lambda text: text + "0123,4,ok\n", "line 5 has 3 fields, its header 19"),
+])
+def test_report_refuses_a_damaged_csv_instead_of_answering_from_it(tmp_path, unit_sweep, capsys, damage, message):
+    """A damaged sweep.csv would otherwise be read as blanks, and the page would lead with "nothing fits"."""
+    import shutil
+
+    folder = tmp_path / "sw"
+    shutil.copytree(unit_sweep, folder)
+    (folder / "sweep.csv").write_text(damage((folder / "sweep.csv").read_text()))
+    assert main(["report", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "rerun the command that wrote it" in err
+    assert not (folder / "report.md").exists()
+
+
+def test_report_after_a_repaired_sweep_notes_the_rejected_lines(tmp_path, unit_sweep, capsys):
+    """Resuming moves damaged lines to sweep.rejected.csv; the report says so and answers from sweep.csv."""
+    import shutil
+
+    folder = tmp_path / "sw"
+    shutil.copytree(unit_sweep, folder)
+    lines = (folder / "sweep.csv").read_text().splitlines(keepends=True)
+    (folder / "sweep.csv").write_text("".join([*lines[:2], 'garbage,,1,"unterminated\n', *lines[3:]]))
+    grid = ["--grid", "pipeline.microbatches=4,8,16"]
+    assert main(["sweep", str(scenario_path("explicit-unit")), *grid, "--jobs", "1", "--out", str(folder)]) == 0
+    assert (folder / "sweep.rejected.csv").exists()
+    assert main(["report", str(folder)]) == 0
+    md = (folder / "report.md").read_text()
+    assert "1 damaged line(s) of sweep.csv" in md and "Configurations that fit (3)" in md
+
+
 @pytest.mark.parametrize("schedule,zero", [("zb-2p", True), ("1f1b", False)])
 def test_step_tail_share_under_post_validation(schedule, zero):
     """With optimizer post-validation the step is the longest rank span: ZB-2p's is shorter than its makespan
