@@ -179,3 +179,20 @@ def test_help_names_the_runtimes_default_scenario(command, capsys):
     with pytest.raises(SystemExit):
         main([command, "--help"])
     assert "tiny-cpu" in capsys.readouterr().out
+
+
+def test_a_model_too_big_for_this_cpu_is_refused_before_launching(capsys, tmp_path, monkeypatch):
+    """LLaMA-3 8B's 4 ranks need 8e9 x 16 bytes of fp32 weights, gradients and Adam state: with 64 GiB free
+    the run is refused in one line instead of being OOM-killed minutes later; tiny-cpu is not refused."""
+    import runtime.launch
+
+    monkeypatch.setattr(runtime.launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr("analysis.commands.run.host_memory_available", lambda: 64 * 2**30)
+    assert main(["run", "llama3-8b-pp4-h100", "--device", "cpu", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "llama3-8b on the CPU" in err[0] and "64.0 GiB is free" in err[0]
+    need = float(err[0].split("at least ")[1].split(" GiB")[0])
+    assert 8.0e9 * 16 / 2**30 * 0.95 < need < 8.1e9 * 16 / 2**30  # 16 bytes per parameter of LLaMA-3 8B
+    assert not (tmp_path / "x").exists()
+    monkeypatch.setattr("analysis.commands.run.launch", lambda *a, **k: 0)
+    assert main(["run", "tiny-cpu", "--device", "cpu", "--out", str(tmp_path / "y")]) == 0

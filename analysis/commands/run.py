@@ -17,6 +17,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from analysis.commands.simulate import add_schedule_arguments, scenario_overrides
 from analysis.console import busy
@@ -27,6 +28,9 @@ from runtime.data import NAMED_SOURCES
 from runtime.launch import Rendezvous, launch
 from sim.config import RECOMPUTE_POLICIES
 from sim.errors import PipeplanError
+
+if TYPE_CHECKING:
+    from sim.config import Scenario
 
 
 class JobFailed(Exception):
@@ -124,6 +128,7 @@ def launch_job(cfg: RunConfig, args: argparse.Namespace, out: str, poll: Callabl
     if cfg.data not in (None, *NAMED_SOURCES):
         check_data_file(cfg.data)
     rdzv = rendezvous(args, schedule.num_ranks)
+    check_host_memory(scenario, cfg, rdzv.nproc_per_node / schedule.num_ranks)
     if cfg.resume:  # every rank's file, read here: a broken checkpoint is one line, not p tracebacks
         check_checkpoint(str(cfg.checkpoint_dir), range(schedule.num_ranks) if rdzv.nnodes == 1 else ())
     with output_folder(args, out) as stage:
@@ -188,6 +193,40 @@ def check_run_flags(cfg: RunConfig) -> None:
         raise PipeplanError(f"--seed: {cfg.seed} is outside 0..2**32-1")
     if cfg.threads > MAX_THREADS:
         raise PipeplanError(f"--threads: {cfg.threads} is above the limit {MAX_THREADS}")
+
+
+def host_memory_available() -> float | None:
+    """Bytes this machine can still give (MemAvailable of /proc/meminfo); None where that is not known."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_memory(scenario: Scenario, cfg: RunConfig, local_share: float) -> None:
+    """On the CPU every local rank keeps its model state in this machine's memory: fp32 weights (the runtime
+    keeps fp32 masters; autocast lowers only the forwards), fp32 gradients and the optimizer's state. Refuse
+    a run that cannot hold even that (an 8B scenario on a laptop) before launching ranks that the kernel's
+    OOM killer would end minutes later with torchrun's wall of tracebacks."""
+    import torch
+
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return
+    from sim.costs import build_cost_table
+
+    state = build_cost_table(scenario).detail
+    if state is None or scenario.model is None:
+        return
+    parts = state.state_bytes
+    need = float((2 * parts["gradients"] + parts["optimizer"]).sum()) * local_share  # weights as many as grads
+    free = host_memory_available()
+    if free is not None and need > free:
+        raise PipeplanError(
+            f"{scenario.model.name} on the CPU: its ranks need at least {need / 2**30:.1f} GiB (fp32 weights, "
+            f"gradients, optimizer state), {free / 2**30:.1f} GiB is free; run tiny-cpu here, or --device cuda")
 
 
 def check_data_file(path: str) -> None:
