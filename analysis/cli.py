@@ -10,7 +10,7 @@
     pipeplan profile [SCENARIO] [--out DIR]
     pipeplan profile [SCENARIO] --gemm [--device cpu|cuda] [--dtype bf16|fp32] [--out DIR]
     pipeplan validate [--published CSV] [--out DIR]
-    pipeplan freeze-study [SCENARIO] --caps 0,0.3,0.6,0.9 --tokens N [--out DIR]
+    pipeplan freeze-study [SCENARIO] [--caps 0,0.3,0.6,0.9] [--tokens N] [--out DIR]
     pipeplan bench sim|plan|sweep [--out DIR]
     pipeplan lcp build|query|bench ...
 

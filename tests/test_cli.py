@@ -25,6 +25,22 @@ def test_every_command_has_help(command, capsys):
     assert "usage: pipeplan " + command in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("bench", ["sim", "plan", "sweep"])
+def test_every_bench_help_ends_with_its_example(bench, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", bench, "--help"])
+    assert f"examples:\n  pipeplan bench {bench} " in capsys.readouterr().out
+
+
+def test_bench_plan_says_which_files_it_wrote(tmp_path, capsys):
+    pytest.importorskip("scipy")  # the TimelyFreeze formulation it is timed against
+    out = tmp_path / "b"
+    assert main(["bench", "plan", "--sizes", "4x16", "--out", str(out)]) == 0
+    wrote = capsys.readouterr().out.strip().splitlines()[-1]
+    assert wrote == f"wrote {out}/: bench_plan.csv bench_plan.png"
+    assert {p.name for p in out.iterdir()} == {"bench_plan.csv", "bench_plan.png", "pipeplan.json"}
+
+
 def test_simulate_default_writes_everything(tmp_path):
     out = tmp_path / "sim"
     assert main(["simulate", "--out", str(out)]) == 0

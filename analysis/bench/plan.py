@@ -26,9 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(f"{p}x{m}" for p, m in SIZES),
         help="comma-separated PxM pipeline sizes (default: %(default)s)",
     )
-    parser.add_argument("--virtual-stages", type=int, default=2)
-    parser.add_argument("--schedule", default="interleaved-1f1b")
-    parser.add_argument("--cap", type=float, default=0.9)
+    parser.add_argument("--virtual-stages", type=int, default=2,
+                        help="chunks per rank of the schedule (default: %(default)s)")
+    parser.add_argument("--schedule", default="interleaved-1f1b",
+                        help="schedule whose freeze LP is timed (default: %(default)s)")
+    parser.add_argument("--cap", type=float, default=0.9, help="freeze cap of the LP (default: %(default)s)")
     parser.add_argument(
         "--scipy-max-actions",
         type=int,

@@ -19,7 +19,8 @@ SIZES = [(4, 8), (8, 32), (16, 64), (32, 128), (32, 256), (64, 512)]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default=",".join(f"{p}x{m}" for p, m in SIZES),
                         help="comma-separated PxM pipeline sizes (default: %(default)s)")
-    parser.add_argument("--virtual-stages", type=int, default=2)
+    parser.add_argument("--virtual-stages", type=int, default=2,
+                        help="chunks per rank of the interleaved-1f1b schedule timed (default: %(default)s)")
     parser.add_argument("--torch-max-actions", type=int, default=40_000,
                         help="skip torch's dry run above this many actions (default: %(default)s)")
 

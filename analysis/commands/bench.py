@@ -1,6 +1,7 @@
 """`pipeplan bench NAME`: speed benchmarks that write a tidy CSV and a figure; figures go into docs/benchmarks.md.
 
-    pipeplan bench sim --out out/bench
+    pipeplan bench sim --sizes 4x8,8x32          # needs torch (its dry run is the reference)
+    pipeplan bench plan --sizes 4x16,8x32
     pipeplan bench sweep --jobs 2
 """
 
@@ -22,7 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     sub = parser.add_subparsers(dest="bench", required=True, parser_class=type(parser), metavar="BENCH")
     for name, (module_name, help_text) in BENCHES.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        examples = [f"  {ln.strip()}" for ln in (__doc__ or "").splitlines()
+                    if ln.strip().startswith(f"pipeplan bench {name} ")]
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog="\n".join(["examples:", *examples]),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--out", default=f"out/bench-{name}", help=f"output folder (default: out/bench-{name})")
         add_force_argument(p)
         module = importlib.import_module(module_name)
@@ -32,9 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from analysis.outputs import output_folder
+    from common.io import MANIFEST
 
     with output_folder(args) as stage:
         line = args._bench(args, stage)
+        written = sorted(p.name for p in stage.iterdir() if p.name != MANIFEST)
     print(line)
-    print(f"wrote {args.out}/")
+    print(f"wrote {args.out}/: {' '.join(written)}")
     return 0
