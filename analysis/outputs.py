@@ -63,7 +63,7 @@ def command_name(args: argparse.Namespace) -> str:
 
 def manifest(args: argparse.Namespace) -> dict[str, Any]:
     """pipeplan.json: the command, scenario and pipeplan version that wrote a folder."""
-    scenario = getattr(args, "scenario", None)
+    scenario = getattr(args, "scenario", None) or getattr(args, "default_scenario", None)
     return {"command": command_name(args), "scenario": None if scenario is None else str(scenario),
             "pipeplan_version": pipeplan_version()}
 

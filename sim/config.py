@@ -541,7 +541,13 @@ def load_scenario(path: str | Path | None = None, overrides: dict[str, Any] | No
         set_dotted(raw, key, value)
     if "pipeline.schedule" in (overrides or {}) and "pipeline.virtual_stages" not in (overrides or {}):
         _fit_virtual_stages(raw)
-    return parse_scenario(raw, source=str(path), base_dir=path.parent)
+    try:
+        return parse_scenario(raw, source=str(path), base_dir=path.parent)
+    except ScenarioError as exc:  # a bad value that an override gave is not the file's: name the override
+        rest = str(exc).removeprefix(f"{path}: ")
+        if any(rest.startswith(f"{key}:") for key in overrides or {}):
+            raise ScenarioError(f"override {rest}") from None
+        raise
 
 
 def _fit_virtual_stages(raw: dict[str, Any]) -> None:

@@ -45,6 +45,7 @@ def test_simulate_default_writes_everything(tmp_path):
     out = tmp_path / "sim"
     assert main(["simulate", "--out", str(out)]) == 0
     assert {p.name for p in out.iterdir()} == SIM_FILES
+    assert json.loads((out / "pipeplan.json").read_text())["scenario"] == "llama3-8b-pp4-h100"  # not null
     summary = json.loads((out / "summary.json").read_text())
     for key in ("makespan_s", "bubble_ratio", "peak_activation_bytes", "peak_hbm_bytes", "oom", "sim_wall_s",
                 "tokens_per_s", "mfu", "schedule", "stages", "microbatches"):

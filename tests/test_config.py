@@ -105,6 +105,18 @@ def test_overrides_apply_dotted_keys():
     assert sc.pipeline.schedule == "gpipe" and sc.costs.p2p_s == 0.5
 
 
+def test_a_bad_override_is_blamed_on_the_override_not_the_file(tmp_path):
+    """`--set pipeline.microbatches=abc` is not an error of the scenario file, which holds a good value."""
+    unit = scenario_path("explicit-unit")
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(unit, {"pipeline.microbatches": "abc"})
+    assert str(info.value) == "override pipeline.microbatches: input should be a valid integer (got 'abc')"
+    bad = tmp_path / "bad.toml"
+    bad.write_text(unit.read_text().replace("microbatches = 8", "microbatches = 0"))
+    with pytest.raises(ScenarioError, match=f"^{bad}: pipeline.microbatches: input should be greater than 0"):
+        load_scenario(bad, {"pipeline.schedule": "gpipe"})  # the file's own error still names the file
+
+
 def test_p2p_blocking_reaches_the_cost_table_in_both_forms():
     """interconnect.p2p_blocking is runtime semantics, so it applies to explicit [costs] as to a model."""
     from sim.costs import build_cost_table

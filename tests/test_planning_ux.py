@@ -158,6 +158,7 @@ def test_post_validation_step_is_what_simulate_show_report_and_plan_print(tmp_pa
     assert main(["show", UNIT, *sets]) == 0
     text = capsys.readouterr().out
     assert "step 24 s (makespan 27 s)" in text and "optimizer post-validation" in text
+    assert "4 stages x 1 chunk per rank = 4 chunks" in text  # not "1 chunks"
     assert main(["plan", UNIT, *sets, "--cap", "0.5", "--out", str(plan)]) == 0
     text = capsys.readouterr().out
     p = json.loads((plan / "plan.json").read_text())
@@ -219,7 +220,7 @@ def test_show_resolves_costs_and_memory(tmp_path, capsys):
     assert main(["show", "llama3-8b-pp4-h100", *sets]) == 0
     text = capsys.readouterr().out
     costs = build_cost_table(load_scenario("llama3-8b-pp4-h100", {"pipeline.schedule": "zbv"}))
-    assert "8 chunks" in text and f"{costs.forward_s[7] * 1e3:.4g}" in text
+    assert "4 stages x 2 chunks per rank = 8 chunks" in text and f"{costs.forward_s[7] * 1e3:.4g}" in text
     assert main(["simulate", "--schedule", "zbv", "--set", "memory.recompute=none", "--out", str(tmp_path)]) == 0
     s = _summary(tmp_path)
     assert f"{max(s['peak_hbm_bytes']) / 2**30:.2f}" in text and "DOES NOT FIT" in text

@@ -1,8 +1,8 @@
 """`pipeplan capacity`: per memory policy, the deepest model of the scenario's width that fits, and its speed.
 
-    pipeplan capacity llama2-70b-48l-pp8-tp8-a100               # the ChronosPipe setting, every policy
+    pipeplan capacity llama2-70b-48l-pp8-tp8-a100               # the ChronosPipe setting, every policy (minutes)
     pipeplan capacity llama2-70b-48l-pp8-tp8-a100 --frontier --min-throughput 0.95
-    pipeplan capacity --policies 1f1b,zbv --set training.micro_batch_size=2 --out out/cap-mbs2
+    pipeplan capacity --policies 1f1b,zbv --set training.micro_batch_size=2 --out out/cap-mbs2   # seconds
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:
         if action.dest == "scenario":
             action.help = f"scenario TOML with a [model] table (default: scenarios/{DEFAULT_SCENARIO}.toml)"
+    parser.set_defaults(default_scenario=DEFAULT_SCENARIO)
     parser.add_argument("--caps", default=DEFAULT_CAPS, help=f"freeze caps, one run each (default {DEFAULT_CAPS})")
     parser.add_argument("--tokens", type=int, default=65536, help="tokens each run trains on (default 65536)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")

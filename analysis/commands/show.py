@@ -32,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
     p = sc.pipeline
     console.print(f"[bold]{resolve_scenario_path(args.scenario)}[/]")
     console.print(fit_line(summary))
-    console.print(f"pipeline: {p.schedule}, {p.stages} stages x {p.virtual_stages} chunks per rank = "
+    per_rank = "1 chunk" if p.virtual_stages == 1 else f"{p.virtual_stages} chunks"
+    console.print(f"pipeline: {p.schedule}, {p.stages} stages x {per_rank} per rank = "
                   f"{sc.num_chunks} chunks, {p.microbatches} microbatches"
                   + (f", P2P buffers {p.p2p_buffers}" if p.p2p_buffers != "per-exchange" else "")
                   + (", optimizer post-validation (no end-of-step barrier)"

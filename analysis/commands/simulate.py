@@ -26,6 +26,7 @@ def add_scenario_argument(parser: argparse.ArgumentParser, default: str = "llama
     """The SCENARIO positional; `default` is the shipped scenario the command uses without one."""
     parser.add_argument("scenario", nargs="?", default=None,
                         help=f"scenario TOML or a shipped scenario's name (pipeplan scenarios); default: {default}")
+    parser.set_defaults(default_scenario=default)  # what pipeplan.json records when no SCENARIO is given
 
 
 def add_schedule_arguments(parser: argparse.ArgumentParser, default_scenario: str = "llama3-8b-pp4-h100") -> None:
