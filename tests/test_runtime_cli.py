@@ -196,3 +196,18 @@ def test_a_model_too_big_for_this_cpu_is_refused_before_launching(capsys, tmp_pa
     assert not (tmp_path / "x").exists()
     monkeypatch.setattr("analysis.commands.run.launch", lambda *a, **k: 0)
     assert main(["run", "tiny-cpu", "--device", "cpu", "--out", str(tmp_path / "y")]) == 0
+
+
+@pytest.mark.parametrize("costs,error,hint", [("scenario", -0.777, True), ("scenario", 0.05, False),
+                                              ("out/profile/scenario.toml", -0.777, False)])
+def test_run_summary_hints_at_profile_when_the_scenarios_costs_miss(costs, error, hint, capsys):
+    """`pipeplan run` on tiny-cpu measured 523 ms against 116 ms predicted from the scenario's [device]: the
+    console says how to predict with this machine's costs; a profiled prediction gets no such hint."""
+    from analysis.commands.run import print_run_summary
+
+    print_run_summary({"schedule": "1f1b", "stages": 4, "microbatches": 8, "virtual_stages": 1, "device": "cpu",
+                       "final_loss": 3.7588, "step_time_s": 0.5286, "tokens_per_s": 1937.0,
+                       "measured_makespan_s": 0.52296, "predicted_makespan_s": 0.11643,
+                       "makespan_rel_error": error, "prediction_costs": costs})
+    out = capsys.readouterr().out
+    assert f"costs: {costs})" in out and ("`pipeplan profile` measures its costs" in out) == hint

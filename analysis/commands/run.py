@@ -283,6 +283,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+PROFILE_HINT_ERROR = 0.25
+"""A prediction from the scenario's own costs that misses the measured makespan by more than this share gets a
+hint to profile: the scenario describes its [device], usually not the machine the run used."""
+
+
 def print_run_summary(s: dict) -> None:
     from analysis.console import console
 
@@ -296,3 +301,6 @@ def print_run_summary(s: dict) -> None:
         f"makespan measured {s['measured_makespan_s'] * 1e3:.2f} ms, predicted {s['predicted_makespan_s'] * 1e3:.2f} ms"
         f" ({'n/a' if err is None else f'{err:+.1%}'}; costs: {s['prediction_costs']})"
     )
+    if s["prediction_costs"] == "scenario" and err is not None and abs(err) > PROFILE_HINT_ERROR:
+        console.print("the scenario's device model is not this machine: `pipeplan profile` measures its costs, "
+                      "`pipeplan run --costs out/profile/scenario.toml` predicts with them")
