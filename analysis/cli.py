@@ -4,7 +4,7 @@
     pipeplan plan [SCENARIO] [--cap X | --sweep-cap] [--out DIR]
     pipeplan capacity [SCENARIO] [--policies P,...] [--out DIR]
     pipeplan sweep SCENARIO --grid KEY=V1,V2 [--grid ...] [--jobs N] [--out DIR]
-    pipeplan report DIR
+    pipeplan report DIR [--force]
     pipeplan scenarios | init PATH | show [SCENARIO] [--set KEY=VALUE]
     pipeplan run [SCENARIO] [--schedule NAME] [--steps N] [--out DIR]
     pipeplan profile [SCENARIO] [--out DIR]

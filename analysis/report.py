@@ -140,6 +140,13 @@ STYLE = (
 NA = "—"
 
 
+TITLE = "pipeplan report: "
+PAGE_START = "<!doctype html><html><head><meta charset='utf-8'><title>"
+OUTPUTS = {"report.html": PAGE_START + TITLE, "report.md": "# " + TITLE}
+"""The two files `pipeplan report` writes, and how each begins: an existing file there that begins otherwise is
+not pipeplan's and is kept unless --force (common.io.check_file_owner)."""
+
+
 def render(folder: Path) -> tuple[str, str]:
     """(html, markdown) for the folder: the answer first (analysis/report_answers.py), then every file."""
     from analysis.report_answers import answer
@@ -150,7 +157,7 @@ def render(folder: Path) -> tuple[str, str]:
     if not parts:
         raise PipeplanError(f"report: {folder} holds no pipeplan outputs (json, csv or png files)")
     kind, blocks = answer(folder)
-    title = f"pipeplan report: {folder.name} ({kind})"
+    title = f"{TITLE}{folder.name} ({kind})"
     md = [f"# {title}", ""]
     body = [f"<h1>{html.escape(title)}</h1>"]
     shown = {b.payload.name for b in blocks if b.kind == "image"}
@@ -170,7 +177,7 @@ def render(folder: Path) -> tuple[str, str]:
         else:
             _block(kind_, payload, md, body)
     body.append("</details>")
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+    page = (f"{PAGE_START}{html.escape(title)}</title>"
             f"<style>{STYLE}</style></head><body>{''.join(body)}</body></html>\n")
     return page, "\n".join(md) + "\n"
 

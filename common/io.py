@@ -213,8 +213,8 @@ def check_file_owner(path: Path, signature: bytes, what: str, force: bool, flag:
     except OSError:
         head = b"?"  # unreadable: certainly not one of ours
     if head and head != signature:
-        raise OutputPathError(f"{flag} {short_path(path)}: an existing file that is not {what}; choose a new "
-                              "path, or pass --force to replace it")
+        raise OutputPathError(f"{flag} {short_path(path)}: exists and is not {what}; move it away or pass --force "
+                              "to replace it")
 
 
 def clean_stale_staging(out: Path) -> None:

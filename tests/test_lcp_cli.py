@@ -215,7 +215,7 @@ def test_out_file_of_another_kind_is_kept_unless_force(tmp_path, rows_npy, capsy
     assert main([*query, str(hits)]) == 0 and main([*query, str(hits)]) == 0  # a query CSV is rewritten
     capsys.readouterr()
     assert main([*build, str(notes)]) == 2
-    assert "notes.txt: an existing file that is not an LCP index" in capsys.readouterr().err
+    assert "notes.txt: exists and is not an LCP index" in capsys.readouterr().err
     assert main([*query, str(notes)]) == 2
     assert "not a query CSV" in capsys.readouterr().err
     assert notes.read_text() == "my notes\n"

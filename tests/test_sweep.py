@@ -183,3 +183,20 @@ def test_invalid_reasons_keep_their_brackets(tmp_path, capsys):
     assert main(["sweep", str(scenario_path("explicit-unit")), *grid, "--out", str(tmp_path / "s")]) == 0
     out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
     assert "needs a [model] scenario (explicit [costs] give" in out
+
+
+def test_report_keeps_a_file_it_did_not_write_unless_force(tmp_path, capsys):
+    """report.md of the user's own (or a symlink) in the folder is refused before either page is written."""
+    out = tmp_path / "sim"
+    assert main(["simulate", str(scenario_path("explicit-unit")), "--out", str(out)]) == 0
+    (out / "report.md").write_text("my own notes\n")
+    assert main(["report", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "report.md: exists and is not a pipeplan report" in err and "--force" in err
+    assert (out / "report.md").read_text() == "my own notes\n" and not (out / "report.html").exists()
+    assert main(["report", str(out), "--force"]) == 0 and main(["report", str(out)]) == 0  # then it is ours
+    assert (out / "report.md").read_text().startswith("# pipeplan report: sim (simulated step)")
+    (out / "report.html").unlink()
+    (out / "report.html").symlink_to(tmp_path / "elsewhere.html")
+    assert main(["report", str(out), "--force"]) == 2  # a symlink is never written, --force or not
+    assert "report " in capsys.readouterr().err and not (tmp_path / "elsewhere.html").exists()

@@ -12,13 +12,18 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("folder", help="an output folder of simulate, plan, capacity, sweep, run or lcp bench")
+    parser.add_argument("--force", action="store_true",
+                        help="replace report.html and report.md in the folder even if pipeplan did not write them")
 
 
 def run(args: argparse.Namespace) -> int:
-    from analysis.report import render
-    from common.io import atomic_write_text
+    from analysis.report import OUTPUTS, render
+    from common.io import atomic_write_text, check_file_owner, check_output_file
 
     folder = Path(args.folder)
+    for name, start in OUTPUTS.items():  # both checked before either is written
+        path = check_output_file(folder / name, flag="report")
+        check_file_owner(path, start.encode(), "a pipeplan report", args.force, flag="report")
     page, md = render(folder)
     atomic_write_text(folder / "report.html", page)
     atomic_write_text(folder / "report.md", md)
