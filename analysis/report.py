@@ -75,17 +75,20 @@ def _check_complete(p: Path) -> None:
     """Refuse a damaged or cut-off CSV: pandas would read a short last row as blanks and a cut header as a
     table with no rows, and the answer would then be wrong ("nothing fits") rather than absent. pipeplan's
     CSVs end with a newline and give every row the header's number of fields (schedule.csv has no header)."""
+    from common.io import short_path
+
     text = p.read_text(errors="replace")
     if text and not text.endswith("\n"):
-        raise PipeplanError(f"report: {p} is cut off (no newline at its end); rerun the command that wrote it")
+        raise PipeplanError(f"report: {short_path(p)} is cut off (no newline at its end); rerun the command that "
+                            "wrote it")
     if p.name == "schedule.csv":
         return
     rows = csv.reader(text.splitlines())
     width = len(next(rows, []))
     for number, row in enumerate(rows, start=2):
         if len(row) != width:
-            raise PipeplanError(f"report: {p} line {number} has {len(row)} fields, its header {width}; the file "
-                                "is damaged: rerun the command that wrote it")
+            raise PipeplanError(f"report: {short_path(p)} line {number} has {len(row)} fields, its header "
+                                f"{width}; rerun the command that wrote it")
 
 
 def sections(folder: Path) -> list[tuple[str, str, Any]]:
