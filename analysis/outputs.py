@@ -28,7 +28,14 @@ def scenario_title(sc: Scenario, source: str | None = None, count: bool = True) 
 
         return f"{resolve_scenario_path(source).stem} (explicit costs)"
     gpus = sc.pipeline.stages * sc.parallel.tp * sc.parallel.dp
-    return f"{sc.model.name} on {f'{gpus} x ' if count else ''}{sc.device.preset}"
+    return f"{sc.model.name} on {f'{gpus} x ' if count else ''}{device_label(sc)}"
+
+
+def device_label(sc: Scenario) -> str:
+    """The device preset's name, or "custom device (from PRESET)" when the [device] table overrides any of its
+    figures (tiny-cpu's 4 GiB, 0.1 TFLOP/s "H100" is a CPU core, not an H100)."""
+    custom = any(v is not None for k, v in sc.device.model_dump().items() if k != "preset")
+    return f"custom device (from {sc.device.preset})" if custom else sc.device.preset
 
 
 def write_simulation(result: SimResult, folder: Path, title: str, extra: dict[str, Any] | None = None) -> dict:

@@ -192,6 +192,16 @@ def test_scenarios_lists_every_shipped_one(capsys):
     assert all(name in text for name in scenario_names())
 
 
+def test_titles_say_when_the_device_is_not_the_preset_itself():
+    """tiny-cpu's [device] (4 GiB, 0.1 TFLOP/s: a CPU core) starts from the H100 preset; a title that said
+    "4 x H100-SXM-80GB" above a 4 GiB capacity line would mislead."""
+    from analysis.outputs import scenario_title
+
+    assert scenario_title(load_scenario("tiny-cpu")) == "tiny on 4 x custom device (from H100-SXM-80GB)"
+    assert scenario_title(load_scenario("llama3-8b-pp4-h100")) == "llama3-8b on 4 x H100-SXM-80GB"
+    assert scenario_title(load_scenario("llama3-8b-pp4-h100", {"device.hbm_gib": 40})).endswith("(from H100-SXM-80GB)")
+
+
 def test_scenario_description_is_the_whole_first_sentence(monkeypatch, tmp_path):
     """A description wrapping over comment lines is read to its full stop, not cut at the first line's end."""
     import scenarios

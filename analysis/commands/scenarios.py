@@ -17,6 +17,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from analysis.console import console
+    from analysis.outputs import device_label
     from scenarios import scenario_description, scenario_names
     from sim.config import load_scenario
 
@@ -30,9 +31,7 @@ def run(args: argparse.Namespace) -> int:
         model = f"{sc.model.name}, {sc.model.layers} layers" if sc.model is not None else "explicit costs"
         par = f" x tp{sc.parallel.tp}" if sc.parallel.tp > 1 else ""
         par += f" x dp{sc.parallel.dp}" if sc.parallel.dp > 1 else ""
-        custom = any(v is not None for k, v in sc.device.model_dump().items() if k != "preset")
-        device = (f"custom (from {sc.device.preset})" if custom else sc.device.preset) + par
-        device = device if sc.model is not None else "-"
+        device = device_label(sc) + par if sc.model is not None else "-"
         t.add_row(name, model, f"{p.schedule} p={p.stages} v={p.virtual_stages} m={p.microbatches}", device,
                   scenario_description(name))
     console.print(t)
