@@ -167,7 +167,8 @@ def _run_end(cols, lo, v):
 
 @_jit
 def pack_queries(q, qlen, length, bits, lo_val, hi_val, words):
-    """Queries int64 [B, L'] (token values) -> (packed words [B, W], effective lengths [B]).
+    """Queries [B, L'] (token values; int64, or a narrower integer dtype as given: no int64 copy) ->
+    (packed words [B, W], effective lengths [B]).
 
     As lcp/tokens.py: a query is cut at min(its length, L, its first token outside [lo_val, hi_val]);
     a token becomes its rank u = v - lo_val, T = 64 / bits per word, first token highest, top bit flipped.

@@ -49,6 +49,10 @@ def test_query_packing_matches_torch(dtype):
         pack = kernel().pack_queries
         words, cut = pack(queries.numpy(), qls.numpy(), fmt.length, fmt.bits, fmt.lo, fmt.hi, fmt.words)
         assert np.array_equal(words, want_words.numpy()) and np.array_equal(cut, want_len.numpy())
+        narrow = queries.clamp(fmt.lo, fmt.hi).to(fmt.dtype)  # in the index's own dtype, as the engine passes it
+        want_words, want_len = prepare_queries(narrow, qls, fmt, torch.device("cpu"))
+        words, cut = pack(narrow.numpy(), qls.numpy(), fmt.length, fmt.bits, fmt.lo, fmt.hi, fmt.words)
+        assert np.array_equal(words, want_words.numpy()) and np.array_equal(cut, want_len.numpy())
 
 
 def test_bucket_boundaries():
