@@ -26,7 +26,8 @@ read neighbouring rows and often share their ranges.
    d* + 1 are every id of S_{d*+1} ascending (read and radix-sorted once per run of queries sharing it),
    less the deeper ones; the rows at d* are the k smallest ids of S_{d*} less those of S_{d*+1} (a merge
    of two ascending lists). The k smallest ids of S_{d*}: 0, 1, 2, … for d* = 0; for a range of at most
-   `direct_cap` rows (default max(8k, 512)) a byte histogram that keeps those below the k-th and a radix
+   NET int32 ids, a bitonic sorting network (lcp/sortnet.py); for one of at most `direct_cap` rows
+   (default max(8k, 512)) a byte histogram that keeps those below the k-th and a radix
    sort — except where d* is the table's depth, k <= 16 and the group S_{d*} has its heads
    (lcp/engine.py, `group_heads`: its 16 smallest ids as offsets, built when groups hold 64-256 rows
    on average): then k gathers; for a wider one (k <= CAP) a k-way merge over the truncated merge-sort
@@ -35,7 +36,9 @@ read neighbouring rows and often share their ranges.
    the two ways, since the queries whose d* is shallower than their neighbours' recur between them).
 
 Everything is int64 arithmetic on numpy views of the index's tensors; the loop runs on the calling
-thread, so the kernel uses one core whatever torch's thread count is.
+thread, so the kernel uses one core whatever torch's thread count is. The loop and everything it calls
+are compiled without numba's runtime (`_loop`: no allocation, no atomic reference counting per query);
+`topk` allocates their scratch.
 """
 
 from __future__ import annotations
