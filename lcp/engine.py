@@ -197,7 +197,8 @@ class CPUEngine:
         arrays and returned."""
         b, width = queries.shape
         check_results(b, k)
-        q = np.ascontiguousarray(queries.detach().cpu().numpy(), dtype=np.int64)
+        q = queries.detach().cpu().numpy()  # narrow dtypes as they are (pack_queries compiles per dtype):
+        q = np.ascontiguousarray(q, dtype=q.dtype if q.itemsize < 8 else np.int64)  # no int64 copy of B × L'
         if query_lengths is None:
             qlen = np.full(b, width, dtype=np.int64)
         else:

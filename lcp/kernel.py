@@ -26,7 +26,8 @@ read neighbouring rows and often share their ranges.
    d* + 1 are every id of S_{d*+1} ascending (read and radix-sorted once per run of queries sharing it),
    less the deeper ones; the rows at d* are the k smallest ids of S_{d*} less those of S_{d*+1} (a merge
    of two ascending lists). The k smallest ids of S_{d*}: 0, 1, 2, … for d* = 0; for a range of at most
-   `direct_cap` rows (default max(8k, 512)) a byte histogram that keeps those below the k-th and a radix
+   NET int32 ids, a bitonic sorting network (lcp/sortnet.py); for one of at most `direct_cap` rows
+   (default max(8k, 512)) a byte histogram that keeps those below the k-th and a radix
    sort — except where d* is the table's depth, k <= 16 and the group S_{d*} has its heads
    (lcp/engine.py, `group_heads`: its 16 smallest ids as offsets, built when groups hold 64-256 rows
    on average): then k gathers; for a wider one (k <= CAP) a k-way merge over the truncated merge-sort
@@ -35,7 +36,9 @@ read neighbouring rows and often share their ranges.
    the two ways, since the queries whose d* is shallower than their neighbours' recur between them).
 
 Everything is int64 arithmetic on numpy views of the index's tensors; the loop runs on the calling
-thread, so the kernel uses one core whatever torch's thread count is.
+thread, so the kernel uses one core whatever torch's thread count is. The loop and everything it calls
+are compiled without numba's runtime (`_loop`: no allocation, no atomic reference counting per query);
+`topk` allocates their scratch.
 """
 
 from __future__ import annotations
@@ -47,29 +50,45 @@ from numba.core import cgutils, types
 from numba.core.extending import intrinsic
 from numba.cpython.unsafe.numbers import leading_zeros
 
+from lcp.sortnet import INT32_MAX, sort16, sort32
+
 BLOCK = 64  # as lcp/smallest.py: positions per leaf block
 CAP = 1024  # entries per tree node: the merge answers k <= CAP
 SMALL = 32  # arrays up to this size are insertion-sorted
 AHEAD = 8  # queries ahead whose memory is prefetched: a query's misses overlap the ones before it
 FAR = 16  # queries ahead whose bucket-table entry is prefetched (read AHEAD to prefetch the bucket)
 HEAD_SPAN = 256  # as lcp/engine.py: groups of at most this many rows have heads (uint8 offsets)
+NET = 32  # tie ranges of at most this many ids (int32) are sorted by a network (lcp/sortnet.py)
 WALK = 64  # rows walked beyond the k-th on each side before the range's end is searched instead
 _MAX = np.iinfo(np.int64).max
 _SIGN = np.uint64(1 << 63)
 
 
-def _jit(fn, inline="never"):
-    """njit with an on-disk cache; in memory only when no cache directory is writable (numba raises)."""
+def _jit(fn, inline="never", nrt=True):
+    """njit with an on-disk cache; in memory only when no cache directory is writable (numba raises).
+
+    nrt=False compiles without numba's runtime: no allocation, and no reference counting of arrays —
+    which numba otherwise does with atomic (lock-prefixed) instructions, full memory barriers on x86, on
+    entry to and exit from every compiled callee and around inlined helpers with loops, wherever it
+    cannot prove them redundant: ~30 per query in the main loop, a fifth of its `perf` samples at
+    N = 1M, k = 10 (and ~8% more as calls even on arrays without an owner). numba's own sort kernels
+    compile their loops the same way (`_nrt=False`, numba/misc/mergesort.py)."""
+    options = {"nogil": True, "inline": inline} if nrt else {"nogil": True, "inline": inline, "_nrt": False}
     try:
-        return numba.njit(cache=True, nogil=True, inline=inline)(fn)
+        return numba.njit(cache=True, **options)(fn)
     except RuntimeError:  # "cannot cache function ...: no locator available": compile per process
-        return numba.njit(nogil=True, inline=inline)(fn)
+        return numba.njit(**options)(fn)
+
+
+def _loop(fn):
+    """_jit without numba's runtime (see _jit): every function the query loop calls, which allocates nothing."""
+    return _jit(fn, nrt=False)
 
 
 def _inline(fn):
-    """_jit, inlined into its callers: a small helper called per query, whose call would cost more than
+    """_loop, inlined into its callers: a small helper called per query, whose call would cost more than
     its work (numba passes each array as ~7 values on the stack)."""
-    return _jit(fn, inline="always")
+    return _jit(fn, inline="always", nrt=False)
 
 
 def _prefetch_codegen(context, builder, signature, args):
@@ -107,7 +126,7 @@ def _prefetch_run(arr, first, last):
         _prefetch(arr, last - 1)
 
 
-@_jit
+@_loop
 def _first_words(cols, starts, shift, half, qw, order, deep, out, group_lo, group_hi):
     """A first pass over the batch in `order`: out[i] = the first row whose first word is >= query i's
     (its insertion point unless rows share that word), and where `deep` != 0 the bounds of the rows
@@ -151,7 +170,8 @@ def _run_end(cols, lo, v):
 
 @_jit
 def pack_queries(q, qlen, length, bits, lo_val, hi_val, words):
-    """Queries int64 [B, L'] (token values) -> (packed words [B, W], effective lengths [B]).
+    """Queries [B, L'] (token values; int64, or a narrower integer dtype as given: no int64 copy) ->
+    (packed words [B, W], effective lengths [B]).
 
     As lcp/tokens.py: a query is cut at min(its length, L, its first token outside [lo_val, hi_val]);
     a token becomes its rank u = v - lo_val, T = 64 / bits per word, first token highest, top bit flipped.
@@ -216,7 +236,7 @@ def _fill_masks(masks, d, per_word, bits):
         masks[w] = 0 if c == 0 else -(np.int64(1) << (64 - c * bits))
 
 
-@_jit
+@_loop
 def _search(cols, starts, shift, half, lengths, has_len, qw, i, masks, short, upper):
     """First position whose row cut by `masks` is >= (upper: >) query i (qw[i]) cut the same way; a row
     whose cut equals the query's but whose length is < short counts as smaller (a proper prefix sorts
@@ -261,19 +281,27 @@ def _refine(cols, lengths, has_len, qw, i, masks, short, upper, lo, hi):
 
 
 @_inline
-def _lcp(cols, lengths, has_len, j, qw, i, ql, per_word, bits):
-    """LCP of query i (words qw[i], length ql) with the row at sorted position j, within both lengths."""
-    words = cols.shape[0]
-    out = words * per_word
-    for w in range(words):
-        x = cols[w, j] ^ qw[i, w]
-        if x != 0:
-            out = w * per_word + leading_zeros(x) // bits
-            break
-    out = min(out, ql)
-    if has_len:
-        out = min(out, np.int64(lengths[j]))
-    return out
+def _point_lcps(cols, lengths, has_len, p, qw, i, ql, per_word, bits):
+    """(LCP with s_{p-1}, LCP with s_p) of query i (words qw[i], length ql), within both lengths; -1
+    for a row beyond either end. One helper for both: each inlined helper taking arrays costs a few
+    calls of numba's reference counting, even on borrowed arrays."""
+    words, n = cols.shape[0], cols.shape[1]
+    cl, cr = np.int64(-1), np.int64(-1)
+    for j in range(max(p - 1, 0), min(p + 1, n)):
+        out = words * per_word
+        for w in range(words):
+            x = cols[w, j] ^ qw[i, w]
+            if x != 0:
+                out = w * per_word + leading_zeros(x) // bits
+                break
+        out = min(out, ql)
+        if has_len:
+            out = min(out, np.int64(lengths[j]))
+        if j < p:
+            cl = out
+        else:
+            cr = out
+    return cl, cr
 
 
 @_inline
@@ -292,7 +320,7 @@ def _table_depth(starts, shift, half, bits, v, top, kk):
     return 0, lo, hi
 
 
-@_jit
+@_loop
 def _sort(a, m, tmp, counts):
     """Sort a[:m] (non-negative int64) in place: insertion sort up to SMALL, else an LSD radix sort by
     bytes of value − min, skipping bytes all values share (no data-dependent branches to mispredict)."""
@@ -331,7 +359,7 @@ def _sort(a, m, tmp, counts):
             a[i] = tmp[i]
 
 
-@_jit
+@_loop
 def _smallest(a, m, count, tmp, counts):
     """Put the `count` smallest of a[:m] (distinct, non-negative) in a[:count], ascending."""
     low, high = a[0], a[0]
@@ -340,7 +368,7 @@ def _smallest(a, m, count, tmp, counts):
     _select(a, m, count, low, high, tmp, counts)
 
 
-@_jit
+@_loop
 def _select(a, m, count, low, high, tmp, counts):
     """_smallest with the minimum and maximum of a[:m] already known (read along with the values).
 
@@ -387,7 +415,7 @@ def _tree_value(kind, node, idx, ids, lev1, lev2, lev3, lev4, id_rows, row0, uns
     return np.int64(id_rows[row0 + node, idx])
 
 
-@_jit
+@_loop
 def _tree_smallest(lo, hi, count, ids, lev1, lev2, lev3, lev4, id_rows, id_starts, out, unsorted,
                    kinds, nodes, rows0, lens, heads, cursor, tmp, counts):
     """out[:count] = the `count` smallest ids of [lo, hi) (hi - lo >= count), ascending.
@@ -476,6 +504,34 @@ def _tree_smallest(lo, hi, count, ids, lev1, lev2, lev3, lev4, id_rows, id_start
         got += 1
 
 
+@_loop
+def _direct_smallest(ids, lo, hi, count, out, buf, tmp, counts, net):
+    """out[:count] = the count smallest ids of [lo, hi), ascending, read directly. At most NET ids of
+    an int32 index (N < 2^31): padded to 16 or 32 lanes and sorted by a bitonic network (lcp/sortnet.py;
+    no branch on the ids — the group of ~15 rows that every k = 10 query at N = 1M selects from); else
+    into buf and selected (_select): buf and tmp hold at least hi - lo values (the caller sees to it)."""
+    m = hi - lo
+    if m <= NET and ids.itemsize == 4:
+        lanes = 16 if m <= 16 else 32
+        for t in range(lanes):
+            net[t] = ids[lo + t] if t < m else INT32_MAX
+        if lanes == 16:
+            sort16(net)
+        else:
+            sort32(net)
+        for t in range(count):
+            out[t] = net[t]
+        return
+    low, high = _MAX, np.int64(0)  # their extremes, for the histogram
+    for pos in range(lo, hi):
+        v = np.int64(ids[pos])
+        buf[pos - lo] = v
+        low, high = min(low, v), max(high, v)
+    _select(buf, m, count, low, high, tmp, counts)
+    for t in range(count):
+        out[t] = buf[t]
+
+
 @_inline
 def _emit(src, m, skip, n_skip, out, row, start, stop):
     """out[row, start:stop] = the first values of src[:m] not in skip[:n_skip] (both ascending)."""
@@ -496,44 +552,64 @@ def _emit(src, m, skip, n_skip, out, row, start, stop):
 def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift, half,
          lev1, lev2, lev3, lev4, id_rows, id_starts, direct_cap, table_tokens, group_heads, head_shift, head_half,
          qw, qlen, order, k, out_lcps, out_ids):
-    """Fill out_lcps / out_ids [B, >= min(k, N)] (pre-filled with -1) with each query's exact top-k.
+    """Fill out_lcps / out_ids [B, k] with each query's exact top-k (-1 past min(k, N)).
 
     Queries are visited in `order` (sorted by first word: neighbours in the sorted rows, so that the
     searches share cache lines and consecutive queries often share their tie range, whose smallest ids
-    are then computed once)."""
+    are then computed once). The scratch arrays are allocated here; the loop (`_answer`) allocates
+    nothing (it is compiled without numba's runtime: _jit), and returns early where a tie range needs
+    more scratch than it has (k > CAP, or a direct_cap wider than max(8k, 512)), to go on with more."""
+    kk, b, words = min(k, cols.shape[1]), qw.shape[0], cols.shape[0]
+    per_k = np.empty((7, kk + 1), np.int64)  # left_lcp, right_lcp, keys, cached, wide, above, inner
+    per_query = np.empty((3, b), np.int64)  # points, group_lo, group_hi (S_{table_tokens})
+    lists = np.empty((6, 2 * (6 + id_starts.shape[0]) + 1), np.int64)  # the tree merge's lists
+    select = np.empty((2, max(8 * kk, 512)), np.int64)  # a tie range's ids and the radix sort's other half
+    small = np.empty((2, 4 * BLOCK), np.int64)  # byte counts (256), the tree's partial blocks' ids
+    word_masks = np.empty((2, words), np.int64)  # a prefix's masks, all-ones masks
+    net = np.empty(NET, np.int32)  # a small tie range's ids, sorted by the network
+    deep = -(np.int64(1) << (64 - table_tokens * bits)) if table_tokens > 0 else np.int64(0)
+    _first_words(cols, starts, shift, half, qw, order, deep, per_query[0], per_query[1], per_query[2])
+    start = 0
+    while start < b:
+        start, need = _answer(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift, half,
+                              lev1, lev2, lev3, lev4, id_rows, id_starts, direct_cap, table_tokens, group_heads,
+                              head_shift, head_half, qw, qlen, order, k, out_lcps, out_ids,
+                              per_k, per_query, lists, select, small, word_masks, net, start)
+        if start < b:  # query order[start] reads a longer tie range than `select` holds
+            select = np.empty((2, need), np.int64)
+
+
+@_loop
+def _answer(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift, half,
+            lev1, lev2, lev3, lev4, id_rows, id_starts, direct_cap, table_tokens, group_heads, head_shift,
+            head_half, qw, qlen, order, k, out_lcps, out_ids, per_k, per_query, lists, select, small, word_masks,
+            net, start):
+    """topk's loop over the queries order[start:]; returns (B, 0) when done, else (ii, m) where query
+    order[ii] needs `select` to hold m values (it is answered again, whole, by the next call)."""
     n, words = cols.shape[1], cols.shape[0]
     kk = min(k, n)
-    left_lcp = np.empty(kk + 1, np.int64)  # LCPs of the nearest rows on either side of the point
-    right_lcp = np.empty(kk + 1, np.int64)
-    keys = np.empty(kk, np.int64)
-    masks = np.empty(words, np.int64)
-    buf = np.empty(max(8 * kk, 512), np.int64)  # a tie range's ids (grows for k > CAP)
-    tmp = np.empty(max(8 * kk, 512), np.int64)  # the radix sort's other half
-    counts = np.empty(256, np.int64)
-    max_lists = 2 * (6 + id_starts.shape[0]) + 1
-    unsorted = np.empty(4 * BLOCK, np.int64)
-    kinds, nodes, rows0 = np.empty(max_lists, np.int64), np.empty(max_lists, np.int64), np.empty(max_lists, np.int64)
-    lens, heads, cursor = np.empty(max_lists, np.int64), np.empty(max_lists, np.int64), np.empty(max_lists, np.int64)
+    left_lcp, right_lcp = per_k[0], per_k[1]  # LCPs of the nearest rows on either side of the point
+    keys = per_k[2]
+    masks, full = word_masks[0], word_masks[1]
+    full[:] = -1
+    buf, tmp = select[0], select[1]  # a tie range's ids, the radix sort's other half
+    counts, unsorted = small[0], small[1]
+    kinds, nodes, rows0, lens, heads, cursor = lists[0], lists[1], lists[2], lists[3], lists[4], lists[5]
     cap = direct_cap if direct_cap >= 0 else max(8 * kk, 512)
     id_bits = 1
     while (np.int64(1) << id_bits) < n:  # keys (L - lcp) << id_bits | id: shifts, not divisions by N
         id_bits += 1
     id_mask = (np.int64(1) << id_bits) - 1
-    cached = np.empty(kk, np.int64)  # the smallest ids of the last tie range: queries in `order` share it
+    cached = per_k[3]  # the smallest ids of the last tie range: queries in `order` share it
     cached_lo, cached_hi = -1, -1
-    wide = np.empty(kk, np.int64)  # the same for the last range answered by the tree: queries sharing a
+    wide = per_k[4]  # the same for the last range answered by the tree: queries sharing a
     wide_lo, wide_hi = -1, -1  # shorter prefix (d* below the others') recur among them in `order`
-    above = np.empty(kk, np.int64)  # every id of the last S_{d*+1}, ascending
+    above = per_k[5]  # every id of the last S_{d*+1}, ascending
     above_lo, above_hi = -1, -1
-    inner = np.empty(kk, np.int64)  # ids of the rows deeper than d* + 1, ascending
-    points = np.empty(qw.shape[0], np.int64)
-    deep = -(np.int64(1) << (64 - table_tokens * bits)) if table_tokens > 0 else np.int64(0)
-    group_lo = np.empty(qw.shape[0] if table_tokens > 0 else 0, np.int64)  # S_{table_tokens} per query
-    group_hi = np.empty_like(group_lo)
-    _first_words(cols, starts, shift, half, qw, order, deep, points, group_lo, group_hi)
-    full = np.full(words, -1, np.int64)
+    inner = per_k[6]  # ids of the rows deeper than d* + 1, ascending
+    points, group_lo, group_hi = per_query[0], per_query[1], per_query[2]  # S_{table_tokens} per query
     refine = words > 1 or has_len  # rows sharing a query's first word are told apart by later words
-    for ii in range(order.shape[0]):
+    for ii in range(start, order.shape[0]):
         # memory of a later query, AHEAD: the rows at its point (the search on later words and the two
         # LCPs read them), the adjacent LCPs the walks read and the ids of S_{table_tokens} (which holds
         # every tie range of d* >= table_tokens) near the point, else those within WALK rows
@@ -560,8 +636,7 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
         ql, p = qlen[i], points[i]
         if refine and p < n and cols[0, p] == qw[i, 0]:  # rows share the first word: search their run
             p = _refine(cols, lengths, has_len, qw, i, full, ql, False, p, _run_end(cols, p, qw[i, 0]))
-        cl = _lcp(cols, lengths, has_len, p - 1, qw, i, ql, per_word, bits) if p > 0 else -1
-        cr = _lcp(cols, lengths, has_len, p, qw, i, ql, per_word, bits) if p < n else -1
+        cl, cr = _point_lcps(cols, lengths, has_len, p, qw, i, ql, per_word, bits)
         last = adj.shape[0] - 1
         if table_tokens > 0 and (ql < table_tokens or group_hi[i] - group_lo[i] < kk):
             # |S_{table_tokens}| < kk, so d* < table_tokens: |S_d| for each d below is two table entries,
@@ -621,18 +696,21 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
             keys[t] = ((length - left_lcp[t]) << id_bits) | ids[p - 1 - t]
         for t in range(in_r):
             keys[in_l + t] = ((length - right_lcp[t]) << id_bits) | ids[p + t]
-        _sort(keys, n_in, tmp, counts)
+        if n_in > 1:  # (a call is not free: skipped for the usual 0 or 1)
+            _sort(keys, n_in, tmp, counts)
         for t in range(n_in):
             out_lcps[i, t] = length - (keys[t] >> id_bits)
             out_ids[i, t] = inner[t] = keys[t] & id_mask
-        _sort(inner, n_in, tmp, counts)
+        if n_in > 1:
+            _sort(inner, n_in, tmp, counts)
         # 2. rows at d* + 1: every id of S_{d*+1} = [p - gt_l, p + gt_r) ascending, less those of step 1
         if n_above > 0:
             if p - gt_l != above_lo or p + gt_r != above_hi:  # neighbouring queries often share it
                 above_lo, above_hi = p - gt_l, p + gt_r
                 for pos in range(above_lo, above_hi):
                     above[pos - above_lo] = ids[pos]
-                _sort(above, n_above, tmp, counts)
+                if n_above > 1:
+                    _sort(above, n_above, tmp, counts)
             _emit(above, n_above, inner, n_in, out_ids, i, n_in, n_above)
         for t in range(n_in, n_above):
             out_lcps[i, t] = d + 1
@@ -684,18 +762,15 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
                     cached[t] = np.int64(ids[lo + np.int64(group_heads[g, t])])
                 _emit(cached, kk, above, n_above, out_ids, i, n_above, kk)
                 continue
-            if hi - lo > buf.shape[0]:
-                buf, tmp = np.empty(hi - lo, np.int64), np.empty(hi - lo, np.int64)
-            low, high = _MAX, np.int64(0)  # their extremes, for the histogram
-            for pos in range(lo, hi):
-                v = np.int64(ids[pos])
-                buf[pos - lo] = v
-                low, high = min(low, v), max(high, v)
-            _select(buf, hi - lo, kk, low, high, tmp, counts)
-            for t in range(kk):
-                cached[t] = buf[t]
+            if hi - lo > buf.shape[0] and not (hi - lo <= NET and ids.itemsize == 4):
+                return ii, hi - lo  # more scratch first (topk), then this query again from its start
+            _direct_smallest(ids, lo, hi, kk, cached, buf, tmp, counts, net)
         elif not direct and (lo != wide_lo or hi != wide_hi):  # a k-way merge over O(log) sorted lists
             wide_lo, wide_hi = lo, hi
             _tree_smallest(lo, hi, kk, ids, lev1, lev2, lev3, lev4, id_rows, id_starts, wide,
                            unsorted, kinds, nodes, rows0, lens, heads, cursor, tmp, counts)
-        _emit(cached if direct else wide, kk, above, n_above, out_ids, i, n_above, kk)
+        if direct:
+            _emit(cached, kk, above, n_above, out_ids, i, n_above, kk)
+        else:
+            _emit(wide, kk, above, n_above, out_ids, i, n_above, kk)
+    return order.shape[0], 0

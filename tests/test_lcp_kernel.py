@@ -49,6 +49,10 @@ def test_query_packing_matches_torch(dtype):
         pack = kernel().pack_queries
         words, cut = pack(queries.numpy(), qls.numpy(), fmt.length, fmt.bits, fmt.lo, fmt.hi, fmt.words)
         assert np.array_equal(words, want_words.numpy()) and np.array_equal(cut, want_len.numpy())
+        narrow = queries.clamp(fmt.lo, fmt.hi).to(fmt.dtype)  # in the index's own dtype, as the engine passes it
+        want_words, want_len = prepare_queries(narrow, qls, fmt, torch.device("cpu"))
+        words, cut = pack(narrow.numpy(), qls.numpy(), fmt.length, fmt.bits, fmt.lo, fmt.hi, fmt.words)
+        assert np.array_equal(words, want_words.numpy()) and np.array_equal(cut, want_len.numpy())
 
 
 def test_bucket_boundaries():
@@ -288,6 +292,68 @@ def test_sort_and_selection(m):
             a = values.copy()
             kern._smallest(a, m, count, tmp, counts)
             assert np.array_equal(a[:count], np.sort(values)[:count])
+
+
+@pytest.mark.parametrize("lanes", [16, 32])
+def test_sorting_network(lanes):
+    """lcp/sortnet.py's bitonic networks against numpy's sort: random int32 over the whole range, the
+    extremes, duplicates, sorted, reversed and padded sets (what the kernel passes: ids, then INT32_MAX)."""
+    import numba
+
+    from lcp.sortnet import INT32_MAX, sort16, sort32
+
+    net = sort16 if lanes == 16 else sort32
+
+    @numba.njit
+    def run(a):
+        net(a)
+
+    g = np.random.default_rng(lanes)
+    info = np.iinfo(np.int32)
+    cases = [
+        g.integers(info.min, info.max, lanes, endpoint=True),
+        g.integers(0, 3, lanes),
+        np.arange(lanes),
+        np.arange(lanes)[::-1],
+        np.full(lanes, info.min),
+        np.tile([info.max, info.min], lanes // 2),
+    ]
+    cases += [np.concatenate([g.permutation(1_000_000)[:m], np.full(lanes - m, INT32_MAX)]) for m in range(1, lanes)]
+    for values in cases * 3 + [g.integers(info.min, info.max, lanes) for _ in range(200)]:
+        a = np.ascontiguousarray(values, dtype=np.int32)
+        run(a)
+        assert np.array_equal(a, np.sort(values.astype(np.int32)))
+
+
+def test_small_tie_ranges_through_the_network():
+    """Groups of 1 to 40 rows sharing a 3-byte prefix (ids shuffled): a query on each prefix ties with
+    its group at d* = 3, so the top-k for k <= the group's size is its k smallest ids — sorted by the
+    network up to 32 rows (16 or 32 lanes), selected beyond. Against brute force, for k = 1 to 40."""
+    g = torch.Generator().manual_seed(40)
+    sizes = list(range(1, 41))
+    prefix = torch.stack([torch.tensor([s, 255 - s, 7]) for s in sizes]).to(torch.uint8)
+    rows = torch.cat([prefix[i].expand(s, 3) for i, s in enumerate(sizes)])
+    rows = torch.cat([rows, torch.randint(0, 256, (rows.shape[0], 5), generator=g, dtype=torch.uint8)], 1)
+    rows = rows[torch.randperm(rows.shape[0], generator=g)]  # ids in no order within a group
+    rows = torch.cat([rows, torch.randint(0, 256, (3000, 8), generator=g, dtype=torch.uint8)])
+    queries = torch.cat([prefix, torch.full((len(sizes), 5), 0, dtype=torch.uint8)], 1)
+    index = build(rows, engine="numba")
+    for k in (1, 2, 9, 10, 15, 16, 17, 31, 32, 33, 40):
+        assert_exact(index, rows, queries, k)
+
+
+def test_scratch_grows_for_wide_direct_ranges():
+    """A tie range wider than the loop's scratch (k > 1,024 reads 9,000 tied ids, more than 8k) makes the
+    loop return to topk for more and resume with that query: the queries visited before and after it
+    keep their answers. 9,000 identical rows and 1,000 others; queries alternate between the two."""
+    g = torch.Generator().manual_seed(9)
+    rows = torch.cat([torch.full((9000, 6), 5, dtype=torch.uint8),
+                      torch.randint(6, 256, (1000, 6), generator=g, dtype=torch.uint8)])  # fmt: skip
+    queries = torch.cat([rows[:1], rows[9000:9003], rows[:1], rows[9500:9502]])
+    index = build(rows, engine="numba")
+    for k in (1030, 1100):
+        assert_exact(index, rows, queries, k)
+        assert index.topk(rows[:1], k).ids[0].tolist() == list(range(k))  # closed form
 
 
 def test_engine_choice_and_refusals():
