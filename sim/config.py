@@ -50,7 +50,7 @@ class PipelineConfig(_Section):
     admission_cap: PosInt | None = None
     """chronos only: the most chunk-activations a rank may hold or reserve (its list scheduler's cap); default:
     the smallest cap within 5% of the uncapped step (unit costs). 2 * ((stages + 2) // 2) at virtual_stages = 2
-    is V-Half's cap and gives v-half's order."""
+    is V-Half's cap; with stash_limit set to it as well, it gives v-half's order."""
     stash_limit: NonNegInt | None = None
     """chronos only: once a rank holds this many chunk-activations whose W has not run (live, or kept for W
     after I: the W stash), its pending W runs before new forwards; default virtual_stages * (stages + 1). Set

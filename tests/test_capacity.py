@@ -103,7 +103,8 @@ def test_capacity_frontier_cli(tmp_path, capsys):
 
 def test_joint_chronos_is_at_least_every_v_schedule_and_memory_policy():
     """p = 4, m = 8: chronos chosen jointly (v, admission cap, memory treatment) against the other policies,
-    each simulated (or planned) on its own. V-Half's order is one of chronos' variants (its cap at v = 2), and
+    each simulated (or planned) on its own. V-Half's order is one of chronos' variants (its cap as admission cap
+    and stash limit at v = 2), and
     the planner may choose any fixed treatment, so neither can beat the joint choice (beyond the MILP's 1%
     gap); and the wider search is strictly faster than V-Half where both fit."""
     from analysis.capacity import POLICIES, PolicyDepths

@@ -128,19 +128,25 @@ def test_v_half_holds_at_most_p_plus_2_over_2_microbatches_per_rank():
         assert res.peak_activation_bytes.max() / 2 <= one_f_one_b.peak_activation_bytes[0]
         if p >= 3 and m >= p:  # strictly less than 1F1B's p microbatches on rank 0
             assert res.peak_activation_bytes.max() / 2 < one_f_one_b.peak_activation_bytes[0]
-        # Deferred W passes stay within one microbatch of ZB-V's 2p.
-        assert max(in_flight_peak(r, Kind.W) for r in sched.ranks) <= max(cap, deferred_w_limit(p, 2))
+        # The paper's unit (zbv_greedy.py's mem_of_stage): a chunk-activation from its F until its W, so live
+        # activations and W stashes together, stay within the same cap.
+        assert max(in_flight_peak(r, Kind.W) for r in sched.ranks) <= cap, (p, m)
 
 
-def test_v_half_costs_a_few_percent_of_zbv_step_time_at_half_its_memory():
-    # Measured: +1-6% for even p, up to +13% for odd p (whose cap (p+1)//2 is relatively tighter), m >= 2p.
+def test_v_half_costs_some_zbv_step_time_at_half_its_memory_counted_until_w():
+    # Measured, m >= 2p: up to +13.6% for even p (8, 16), +17.2% for odd p (5, 10), whose cap (p+1)//2 is
+    # relatively tighter; the cost shrinks with m (docs/schedules.md).
     for p in range(2, 9):
         for m in (2 * p, 3 * p, 4 * p):
             unit = make_costs(p, 2, m)
-            v_half = simulate(build_schedule("v-half", p, m, 2), unit)
-            zbv = simulate(build_schedule("zbv", p, m, 2), unit)
+            sched = build_schedule("v-half", p, m, 2)
+            v_half = simulate(sched, unit)
+            zbv_sched = build_schedule("zbv", p, m, 2)
+            zbv = simulate(zbv_sched, unit)
             assert v_half.peak_activation_bytes.max() <= (p + 2) // 2 * 2 <= zbv.peak_activation_bytes.max()
-            assert zbv.makespan_s <= v_half.makespan_s <= (1.06 if p % 2 == 0 else 1.13) * zbv.makespan_s, (p, m)
+            until_w = max(in_flight_peak(r, Kind.W) for r in sched.ranks)
+            assert until_w <= (p + 2) // 2 * 2 <= max(in_flight_peak(r, Kind.W) for r in zbv_sched.ranks), (p, m)
+            assert zbv.makespan_s <= v_half.makespan_s <= (1.14 if p % 2 == 0 else 1.18) * zbv.makespan_s, (p, m)
 
 
 # ---- chronos: memory, lifetime, step time ------------------------------------------------------------------
@@ -195,7 +201,7 @@ DOCS_TABLE = {
         ("1f1b", 1): (33.0, 0.273, 4, 5.12, 15.0),
         ("interleaved-1f1b", 2): (57.0, 0.158, 11, 17.47, 42.0),
         ("zbv", 2): (51.0, 0.059, 8, 14.62, 37.0),
-        ("v-half", 2): (53.0, 0.094, 6, 7.52, 19.0),
+        ("v-half", 2): (55.0, 0.127, 6, 7.84, 19.0),
         ("chronos", 2): (53.0, 0.094, 6, 7.52, 19.0),
         ("interleaved-1f1b", 4): (105.0, 0.086, 19, 35.73, 82.0),
         ("chronos", 4): (103.0, 0.068, 12, 15.1, 32.0),
@@ -204,7 +210,7 @@ DOCS_TABLE = {
         ("1f1b", 1): (117.0, 0.179, 8, 11.16, 35.0),
         ("interleaved-1f1b", 2): (213.0, 0.099, 23, 41.42, 102.0),
         ("zbv", 2): (199.0, 0.035, 16, 38.06, 109.0),
-        ("v-half", 2): (205.0, 0.063, 10, 16.18, 36.0),
+        ("v-half", 2): (213.0, 0.099, 10, 16.73, 36.0),
         ("chronos", 2): (205.0, 0.063, 10, 16.18, 36.0),
         ("interleaved-1f1b", 4): (405.0, 0.052, 39, 83.71, 198.0),
         ("chronos", 4): (403.0, 0.047, 20, 31.77, 72.0),
@@ -227,10 +233,14 @@ def test_docs_table_is_what_the_engine_measures(p_m: tuple[int, int]):
 
 @pytest.mark.parametrize("v", [2, 4])
 def test_admission_cap_and_stash_limit_bound_what_chronos_holds(v: int):
-    """pipeline.admission_cap sets chronos' cap (V-Half's reproduces v-half's order at v = 2); with the stash
+    """pipeline.admission_cap sets chronos' cap (V-Half's as cap and stash limit reproduces v-half's order at
+    v = 2, V-Half's cap alone does not: W deferred as usual); with the stash
     limit at the cap too, activations in flight plus stashes waiting for W stay within the cap, where the
     default stash limit lets deferred W passes grow past it; a stash limit of 0 runs full B (no stash)."""
-    assert build_schedule("chronos", 8, 32, 2, v_half_limit(8)).ranks == build_schedule("v-half", 8, 32, 2).ranks
+    for p, m in [(3, 6), (4, 8), (8, 32)]:
+        half = v_half_limit(p)
+        assert build_schedule("chronos", p, m, 2, half, half).ranks == build_schedule("v-half", p, m, 2).ranks
+        assert build_schedule("chronos", p, m, 2, half).ranks != build_schedule("v-half", p, m, 2).ranks
     looser = False
     for p in (2, 4, 8):
         m = 2 * p

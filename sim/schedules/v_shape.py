@@ -1,10 +1,11 @@
 """Memory-capped V-shaped schedules, built by one list scheduler: `v-half` and `chronos`.
 
 v-half — V-Half (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", arXiv 2405.15362): ZB-V's
-    V placement and split backward, with peak activations capped at (p+2)//2 whole-rank microbatches, about
-    half of 1F1B's p. The paper builds it from a repeating building block; here the order comes from the
-    list scheduler below with that cap. Unit-cost step time against ZB-V, m >= 2p: +0-6 % for even p, up to
-    +13 % for odd p, shrinking with m (docs/schedules.md).
+    V placement and split backward, with at most (p+2)//2 whole-rank microbatches per rank, about half of
+    1F1B's p, counted as the paper does: a chunk-activation from its F until its W (the authors' zbv_greedy.py
+    frees at W), so live activations and W stashes together. The paper builds it from a repeating building
+    block; here the order comes from the list scheduler below with that cap as both forward_limit and w_limit.
+    Unit-cost step time against ZB-V, m >= 2p: up to +17 % (p = 5, 7), shrinking with m (docs/schedules.md).
 chronos — Chronos-Pipe (Lin et al. 2025, ChronosPipe, arXiv 2503.03182): HBM treated as a small cache, so
     each activation should be consumed soon after it is made. Zig-zag placement over v >= 2 (even) chunks
     per rank, split backward, backward first, and the smallest admission cap whose unit-cost step time
@@ -148,7 +149,9 @@ def deferred_w_limit(p: int, v: int) -> int:
 
 # ---- v-half ------------------------------------------------------------------------------------------------
 def v_half_limit(p: int) -> int:
-    """V-Half's cap in chunk-activations: (p+2)//2 whole-rank microbatches of 2 chunks each."""
+    """V-Half's cap in chunk-activations held from F until W: (p+2)//2 whole-rank microbatches of 2 chunks
+    each, the peak of the authors' V-Half orders in their own unit (zbv_greedy.py's mem_of_stage: +1 at F,
+    -1 at W) for p = 2..8."""
     return 2 * ((p + 2) // 2)
 
 
@@ -156,10 +159,14 @@ def _check_v_half(p: int, m: int, v: int) -> str | None:
     return exact_virtual_stages(v, 2)
 
 
-@register("v-half", _check_v_half, "V placement, split backward, peak (p+2)//2 microbatches (half of 1F1B's)",
-          virtual_stages=2)
+@register("v-half", _check_v_half,
+          "V placement, split backward, (p+2)//2 microbatches from F to W (half of 1F1B's)", virtual_stages=2)
 def build_v_half(p: int, m: int, v: int) -> Schedule:
-    plan = list_schedule(p, m, 2, Admission(v_half_limit(p), deferred_w_limit(p, 2)))
+    """The list scheduler at V-Half's cap, with the W stash counted against it (w_limit = the cap): live
+    activations plus stashes waiting for W stay within v_half_limit(p) on every rank, as in the paper. This is
+    chronos' order with admission_cap = stash_limit = v_half_limit(p) (one of analysis.capacity's variants)."""
+    limit = v_half_limit(p)
+    plan = _capped_plan(p, m, 2, limit, limit)
     return Schedule("v-half", 2 * p, m, plan.ranks, zigzag_placement(p, 2))
 
 
@@ -196,9 +203,9 @@ def chronos_plan(p: int, m: int, v: int, slowdown: float = CHRONOS_SLOWDOWN) -> 
 )
 def build_chronos(p: int, m: int, v: int, admission_cap: int | None = None, stash_limit: int | None = None
                   ) -> Schedule:
-    """The chronos order; `admission_cap` (pipeline.admission_cap) replaces the chosen cap: V-Half's own
-    (v_half_limit(p) at v = 2) gives exactly v-half's order; `stash_limit` (pipeline.stash_limit) replaces
-    the list scheduler's w_limit (default deferred_w_limit; 0: no W stash, a full B instead of I and W)."""
+    """The chronos order; `admission_cap` (pipeline.admission_cap) replaces the chosen cap; `stash_limit`
+    (pipeline.stash_limit) replaces the list scheduler's w_limit (default deferred_w_limit; 0: no W stash, a
+    full B instead of I and W). V-Half's cap as both (v_half_limit(p) at v = 2) gives exactly v-half's order."""
     if admission_cap is None and stash_limit is None:
         _, plan = chronos_plan(p, m, v)
     else:
