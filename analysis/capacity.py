@@ -110,7 +110,8 @@ def planner_treatment(treatment: tuple[tuple[str, Any], ...], var: dict[str, Any
 
 def chronos_variants(stages: int, microbatches: int, layers: int) -> list[dict[str, Any]]:
     """(v, admission cap, stash limit) a joint chronos policy tries at `layers`: v in JOINT_V where every chunk
-    gets a layer; caps in chunk-activations: chronos' own choice, V-Half's (v_half_limit, per chunk pair), one
+    gets a layer; caps in chunk-activations: chronos' own choice, V-Half's (v_half_limit, per chunk pair; with
+    the stash limit = cap at v = 2, exactly v-half's order, so `chronos` >= `v-half` at every depth), one
     whole-rank microbatch below it, and 1F1B's p microbatches (the list scheduler gains little above:
     docs/memory.md); each with W deferred as usual (the stash limit's default), with the W stash counted
     against the cap (stash limit = cap), or with no stash (0: full B). Every chronos policy tries the same

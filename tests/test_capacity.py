@@ -126,6 +126,20 @@ def test_joint_chronos_is_at_least_every_v_schedule_and_memory_policy():
     assert speed["chronos", 16] > speed["v-half", 16] > 0
 
 
+def test_v_half_s_order_is_one_of_the_chronos_variants():
+    """What makes `chronos` >= `v-half` hold by construction: V-Half's cap as admission cap and stash limit at
+    v = 2 is a variant the joint search tries, and it builds exactly v-half's order."""
+    from analysis.capacity import chronos_variants
+    from sim.schedules import build_schedule
+    from sim.schedules.v_shape import v_half_limit
+
+    for p, m in [(3, 6), (4, 8), (8, 32)]:
+        half = v_half_limit(p)
+        var = {"pipeline.virtual_stages": 2, "pipeline.admission_cap": half, "pipeline.stash_limit": half}
+        assert var in chronos_variants(p, m, 2 * p)
+        assert build_schedule("chronos", p, m, 2, half, half).ranks == build_schedule("v-half", p, m, 2).ranks
+
+
 def test_a_timed_out_milp_is_reported_not_counted_as_no_fit(monkeypatch):
     """The MILP's safety time limit says nothing about the depth: the evaluation is `unknown`, and the capacity
     row says its max_layers is a lower bound and where the search was cut, instead of a silent "no fit"."""
