@@ -5,7 +5,8 @@ v-half — V-Half (Qi et al. 2024, "Pipeline Parallelism with Controllable Memor
     1F1B's p, counted as the paper does: a chunk-activation from its F until its W (the authors' zbv_greedy.py
     frees at W), so live activations and W stashes together. The paper builds it from a repeating building
     block; here the order comes from the list scheduler below with that cap as both forward_limit and w_limit.
-    Unit-cost step time against ZB-V, m >= 2p: up to +17 % (p = 5, 7), shrinking with m (docs/schedules.md).
+    Unit-cost step time against ZB-V, m >= 2p: up to +13.6 % for even p, +17.2 % for odd p (p = 5, m = 10),
+    shrinking with m (docs/schedules.md).
 chronos — Chronos-Pipe (Lin et al. 2025, ChronosPipe, arXiv 2503.03182): HBM treated as a small cache, so
     each activation should be consumed soon after it is made. Zig-zag placement over v >= 2 (even) chunks
     per rank, split backward, backward first, and the smallest admission cap whose unit-cost step time
