@@ -51,6 +51,7 @@ from numba.core.extending import intrinsic
 from numba.cpython.unsafe.numbers import leading_zeros
 
 from lcp.sortnet import INT32_MAX, sort16, sort32
+from lcp.stores import fence, stream
 
 BLOCK = 64  # as lcp/smallest.py: positions per leaf block
 CAP = 1024  # entries per tree node: the merge answers k <= CAP
@@ -59,6 +60,8 @@ AHEAD = 8  # queries ahead whose memory is prefetched: a query's misses overlap 
 FAR = 16  # queries ahead whose bucket-table entry is prefetched (read AHEAD to prefetch the bucket)
 HEAD_SPAN = 256  # as lcp/engine.py: groups of at most this many rows have heads (uint8 offsets)
 NET = 32  # tie ranges of at most this many ids (int32) are sorted by a network (lcp/sortnet.py)
+BLOCKS = 128  # rows of at least this many results are written in blocks (_emit_blocks)
+STREAM = 1 << 19  # results of B · k >= this many entries (2 × 4 MiB) are written by streaming stores
 WALK = 64  # rows walked beyond the k-th on each side before the range's end is searched instead
 _MAX = np.iinfo(np.int64).max
 _SIGN = np.uint64(1 << 63)
@@ -533,8 +536,46 @@ def _direct_smallest(ids, lo, hi, count, out, buf, tmp, counts, net):
 
 
 @_inline
-def _emit(src, m, skip, n_skip, out, row, start, stop):
-    """out[row, start:stop] = the first values of src[:m] not in skip[:n_skip] (both ascending)."""
+def _put(out, row, start, src, first, count, streamed):
+    """out[row, start:start + count] = src[first:first + count]: a block copy (streaming stores where
+    `streamed`: results beyond the caches, lcp/stores.py)."""
+    if streamed:
+        for t in range(count):
+            stream(out, row, start + t, src[first + t])
+    else:
+        for t in range(count):
+            out[row, start + t] = src[first + t]
+
+
+@_inline
+def _fill(out, row, start, stop, value, streamed):
+    """out[row, start:stop] = value (streaming stores where `streamed`)."""
+    if streamed:
+        for t in range(start, stop):
+            stream(out, row, t, value)
+    else:
+        for t in range(start, stop):
+            out[row, t] = value
+
+
+@_inline
+def _count_up(out, row, start, stop, value, streamed):
+    """out[row, t] = value + t − start for t in [start, stop): a run of consecutive ids."""
+    if streamed:
+        for t in range(start, stop):
+            stream(out, row, t, value + (t - start))
+    else:
+        for t in range(start, stop):
+            out[row, t] = value + (t - start)
+
+
+@_inline
+def _emit(src, m, skip, n_skip, out, row, start, stop, mode):
+    """out[row, start:stop] = the first values of src[:m] not in skip[:n_skip] (both ascending, distinct):
+    a merge step per value for short rows (mode 0: k < BLOCKS), else _emit_blocks (mode 2: streaming)."""
+    if mode != 0:
+        _emit_blocks(src, m, skip, n_skip, out, row, start, stop, mode == 2)
+        return
     e, t = 0, start
     for c in range(m):
         if t == stop:
@@ -546,6 +587,77 @@ def _emit(src, m, skip, n_skip, out, row, start, stop):
             continue
         out[row, t] = v
         t += 1
+
+
+@_loop
+def _emit_blocks(src, m, skip, n_skip, out, row, start, stop, streamed):
+    """_emit for long rows: block copies between the skipped values that fall among src's first values,
+    each found by galloping from the last (O(log gap)) — at k = 1000 the ~1,000 ids of a row are a few
+    block copies, not a merge step (three branches) per value; skipped values beyond src[m - 1] end the
+    search. Not inlined: its setup would cost more than the merge for k = 10's few values (and its code
+    would crowd the loop's)."""
+    c, t = 0, start
+    for e in range(n_skip):
+        if t >= stop or c >= m:
+            return
+        v = skip[e]
+        if v > src[m - 1]:
+            break
+        if v < src[c]:
+            continue
+        j = c  # the first position >= c whose value is >= v (exists: src[m - 1] >= v)
+        if src[c] < v:
+            lo, step = c, 1  # src[lo] < v <= src[hi]
+            hi = min(c + 1, m - 1)
+            while src[hi] < v:
+                lo, step = hi, step << 1
+                hi = min(c + step, m - 1)
+            while hi - lo > 1:
+                mid = (lo + hi) >> 1
+                if src[mid] < v:
+                    lo = mid
+                else:
+                    hi = mid
+            j = hi
+        count = min(j - c, stop - t)
+        _put(out, row, t, src, c, count, streamed)
+        t += count
+        c = j + np.int64(src[j] == v)
+    _put(out, row, t, src, c, max(min(m - c, stop - t), 0), streamed)
+
+
+@_inline
+def _emit_range(skip, n_skip, out, row, start, stop, mode):
+    """out[row, start:stop] = the first values of 0, 1, 2, … not in skip[:n_skip] (ascending, distinct):
+    a merge step per value for short rows (mode 0), else _range_blocks."""
+    if mode != 0:
+        _range_blocks(skip, n_skip, out, row, start, stop, mode == 2)
+        return
+    e, v = 0, 0
+    for t in range(start, stop):
+        while e < n_skip and skip[e] <= v:
+            if skip[e] == v:
+                v += 1
+            e += 1
+        out[row, t] = v
+        v += 1
+
+
+@_loop
+def _range_blocks(skip, n_skip, out, row, start, stop, streamed):
+    """_emit_range for long rows: runs of consecutive ids between the skipped ones."""
+    v, t = np.int64(0), start
+    for e in range(n_skip):
+        if t >= stop:
+            return
+        s = skip[e]
+        if s < v:
+            continue
+        count = min(s - v, stop - t)
+        _count_up(out, row, t, t + count, v, streamed)
+        t += count
+        v = s + 1
+    _count_up(out, row, t, stop, v, streamed)
 
 
 @_jit
@@ -568,22 +680,25 @@ def topk(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift
     word_masks = np.empty((2, words), np.int64)  # a prefix's masks, all-ones masks
     net = np.empty(NET, np.int32)  # a small tie range's ids, sorted by the network
     deep = -(np.int64(1) << (64 - table_tokens * bits)) if table_tokens > 0 else np.int64(0)
+    # rows of >= BLOCKS results are written in blocks; results beyond the caches by streaming stores
+    mode = 0 if kk < BLOCKS else (2 if b * kk >= STREAM else 1)
     _first_words(cols, starts, shift, half, qw, order, deep, per_query[0], per_query[1], per_query[2])
     start = 0
     while start < b:
         start, need = _answer(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift, half,
                               lev1, lev2, lev3, lev4, id_rows, id_starts, direct_cap, table_tokens, group_heads,
                               head_shift, head_half, qw, qlen, order, k, out_lcps, out_ids,
-                              per_k, per_query, lists, select, small, word_masks, net, start)
+                              per_k, per_query, lists, select, small, word_masks, net, start, mode)
         if start < b:  # query order[start] reads a longer tie range than `select` holds
             select = np.empty((2, need), np.int64)
+    fence()  # the streaming stores, ordered before the caller reads the results
 
 
 @_loop
 def _answer(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, shift, half,
             lev1, lev2, lev3, lev4, id_rows, id_starts, direct_cap, table_tokens, group_heads, head_shift,
             head_half, qw, qlen, order, k, out_lcps, out_ids, per_k, per_query, lists, select, small, word_masks,
-            net, start):
+            net, start, mode):
     """topk's loop over the queries order[start:]; returns (B, 0) when done, else (ii, m) where query
     order[ii] needs `select` to hold m values (it is answered again, whole, by the next call)."""
     n, words = cols.shape[1], cols.shape[0]
@@ -688,9 +803,8 @@ def _answer(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, sh
         while in_r < gt_r and right_lcp[in_r] > d + 1:
             in_r += 1
         n_above, n_in = gt_l + gt_r, in_l + in_r
-        for t in range(kk, k):
-            out_lcps[i, t] = -1
-            out_ids[i, t] = -1
+        _fill(out_lcps, i, kk, k, -1, mode == 2)  # past min(k, N)
+        _fill(out_ids, i, kk, k, -1, mode == 2)
         # 1. rows deeper than d* + 1 (few, as a rule): by the key (L - lcp) << id_bits | id
         for t in range(in_l):
             keys[t] = ((length - left_lcp[t]) << id_bits) | ids[p - 1 - t]
@@ -711,21 +825,12 @@ def _answer(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, sh
                     above[pos - above_lo] = ids[pos]
                 if n_above > 1:
                     _sort(above, n_above, tmp, counts)
-            _emit(above, n_above, inner, n_in, out_ids, i, n_in, n_above)
-        for t in range(n_in, n_above):
-            out_lcps[i, t] = d + 1
-        for t in range(n_above, kk):
-            out_lcps[i, t] = d
+            _emit(above, n_above, inner, n_in, out_ids, i, n_in, n_above, mode)
+        _fill(out_lcps, i, n_in, n_above, d + 1, mode == 2)
+        _fill(out_lcps, i, n_above, kk, d, mode == 2)
         # 3. rows at d*: the smallest ids of S_{d*}, less those of S_{d*+1}
         if d == 0:  # S_0 is every row: ids 0, 1, 2, ...
-            e, v = 0, 0
-            for t in range(n_above, kk):
-                while e < n_above and above[e] <= v:
-                    if above[e] == v:
-                        v += 1
-                    e += 1
-                out_ids[i, t] = v
-                v += 1
+            _emit_range(above, n_above, out_ids, i, n_above, kk, mode)
             continue
         # S_{d*} = [lo, hi): read off the bucket table when d* tokens lie within its bits, else walk on
         # while the LCP stays >= d*, else search the rows cut to d* tokens
@@ -760,7 +865,7 @@ def _answer(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, sh
                 g = (qw[i, 0] >> head_shift) + head_half  # [lo, hi) is this group: its heads, kk gathers
                 for t in range(kk):
                     cached[t] = np.int64(ids[lo + np.int64(group_heads[g, t])])
-                _emit(cached, kk, above, n_above, out_ids, i, n_above, kk)
+                _emit(cached, kk, above, n_above, out_ids, i, n_above, kk, mode)
                 continue
             if hi - lo > buf.shape[0] and not (hi - lo <= NET and ids.itemsize == 4):
                 return ii, hi - lo  # more scratch first (topk), then this query again from its start
@@ -770,7 +875,7 @@ def _answer(cols, ids, adj, lengths, has_len, length, per_word, bits, starts, sh
             _tree_smallest(lo, hi, kk, ids, lev1, lev2, lev3, lev4, id_rows, id_starts, wide,
                            unsorted, kinds, nodes, rows0, lens, heads, cursor, tmp, counts)
         if direct:
-            _emit(cached, kk, above, n_above, out_ids, i, n_above, kk)
+            _emit(cached, kk, above, n_above, out_ids, i, n_above, kk, mode)
         else:
-            _emit(wide, kk, above, n_above, out_ids, i, n_above, kk)
+            _emit(wide, kk, above, n_above, out_ids, i, n_above, kk, mode)
     return order.shape[0], 0

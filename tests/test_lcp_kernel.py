@@ -356,6 +356,43 @@ def test_scratch_grows_for_wide_direct_ranges():
         assert index.topk(rows[:1], k).ids[0].tolist() == list(range(k))  # closed form
 
 
+@pytest.mark.parametrize("direct_cap", [None, 0])
+def test_long_rows_written_in_blocks(direct_cap):
+    """k >= BLOCKS: a row's ids are written as block copies between the ids of S_{d*+1} that fall among
+    the k smallest of S_{d*} (each found by galloping) — runs 0, 1, 2, … for d* = 0, a cached list (read
+    directly or from the tree: direct_cap 0) for d* = 1 — and by streaming stores where B · k >= STREAM.
+    Skipped ids at a row's start, in runs, near its k-th id and beyond it. Against brute force, for
+    k = BLOCKS − 1 (a merge step per value), BLOCKS and 1,000, at 64 queries and at 640 (streamed)."""
+    from lcp.kernel import BLOCKS, STREAM
+
+    g = torch.Generator().manual_seed(128)
+    n = 12_000
+    rows = torch.randint(0, 256, (n, 8), dtype=torch.uint8, generator=g)
+    rows[::3, 0] = 7  # S_1 of first byte 7: ~4,000 rows, so d* = 1 at k = 1000 for queries (7, 9, ...)
+    pair = [3, 6, 9, 12, 15, 300, 303, 2997, 3000, 3003, 6000]  # S_2 of (7, 9): skipped among S_1's smallest
+    rows[pair, 0], rows[pair, 1] = 7, 9
+    single = [0, 1, 2, 4, 5, 50, 52, 53, 998, 1000, 1001, 1003]  # S_1 of first byte 201 (d* = 0 at k = 1000)
+    rows[single, 0] = 201
+    queries = torch.randint(0, 256, (64, 8), dtype=torch.uint8, generator=g)
+    queries[:16, :2] = torch.tensor([7, 9], dtype=torch.uint8)
+    queries[16:20] = rows[pair[:4]]  # rows deeper than d* + 1 too
+    queries[20:32, 0] = 201
+    queries[32:36] = rows[single[:4]]
+    queries[36:48, 0] = 7
+    index = build(rows, engine="numba")
+    index.direct_cap = direct_cap
+    full = torch.full((n,), 8)
+    assert 64 * 1000 < STREAM <= 640 * 1000 and 640 * BLOCKS < STREAM  # streamed only for k = 1000 at 640
+    for k in (BLOCKS - 1, BLOCKS, 1000):
+        want_ids, want_lcps = torch_brute_force(rows, full, queries, torch.full((64,), 8), k)
+        for reps in (1, 10):
+            got = index.topk(queries.repeat(reps, 1), k)
+            assert torch.equal(got.ids, want_ids.repeat(reps, 1)), (k, reps)
+            assert torch.equal(got.lcps, want_lcps.repeat(reps, 1)), (k, reps)
+    d = index.explain(queries, 1000).d
+    assert (d[:16] == 1).all() and (d[20:36] == 0).all()
+
+
 def test_engine_choice_and_refusals():
     rows = torch.randint(0, 256, (100, 4), dtype=torch.uint8)
     index = LCPIndex.build(rows)
