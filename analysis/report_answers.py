@@ -3,6 +3,7 @@
 - sweep: the fastest configuration that fits (overall and per GPU count), what limits it, a ranked table of
   those that fit, then those that do not, then invalid combinations by reason;
 - plan: the speedup, and whether the planned step fits;
+- plan --sweep-cap: the fastest planned step over schedules and caps, the largest speedup, the speedup table;
 - simulate: step time, throughput, bubble, and whether it fits;
 - capacity: the policy that fits the deepest model, and at what speed;
 - run: measured against predicted.
@@ -45,7 +46,9 @@ class Block(NamedTuple):
 def answer(folder: Path) -> tuple[str, list[Block]]:
     """(kind of folder, blocks that answer its question); an empty list when the folder is of no known kind."""
     names = {p.name for p in folder.iterdir()}
-    if "sweep.csv" in names and "plan.json" not in names and "speedup" not in _columns(folder / "sweep.csv"):
+    if "sweep.csv" in names and "plan.json" not in names:
+        if "speedup" in _columns(folder / "sweep.csv"):
+            return "freeze cap sweep", plan_sweep_answer(folder)
         return "sweep", sweep_answer(folder)
     if "plan.json" in names:
         return "freeze plan", plan_answer(folder)
@@ -271,6 +274,32 @@ def plan_answer(folder: Path) -> list[Block]:
     out += [Block("h2", "Against the baselines (same mean freeze ratio)"), Block("table", table)]
     out += [Block("image", folder / n) for n in ("freeze_heatmap.png", "gantt_before.png", "gantt_after.png",
                                                  "memory.png") if (folder / n).exists()]
+    return out
+
+
+def plan_sweep_answer(folder: Path) -> list[Block]:
+    """`plan --sweep-cap`: one row per (schedule, cap), each an LP plan verified by simulation."""
+    df = pd.read_csv(folder / "sweep.csv")
+    if df.empty:
+        return [Block("lead", "The cap sweep planned no (schedule, cap) pair.")]
+    fast = df.loc[df["simulated_makespan_s"].idxmin()]
+    lead = (f"Fastest planned step: {fast['schedule']} at cap {fast['cap']:g}, "
+            f"{_num(fast['simulated_makespan_s'], '.4g')} s ({fast['speedup']:.3f}× faster than its unfrozen "
+            f"{_num(fast['baseline_makespan_s'], '.4g')} s; {len(df)} schedule × cap plans).")
+    out = [Block("lead", lead)]
+    most = df.loc[df["speedup"].idxmax()]
+    if most.name != fast.name:
+        out.append(Block("p", f"Largest speedup: {most['schedule']} at cap {most['cap']:g}, {most['speedup']:.3f}× "
+                              f"({_num(most['baseline_makespan_s'], '.4g')} s → "
+                              f"{_num(most['simulated_makespan_s'], '.4g')} s)."))
+    label = df["schedule"].astype(str)
+    if df.groupby("schedule")["virtual_stages"].nunique().max() > 1:
+        label = label + " (v = " + df["virtual_stages"].astype(str) + ")"
+    table = df.assign(schedule=label).pivot_table(index="schedule", columns="cap", values="speedup", sort=False)
+    table.columns = [f"{c:g}" for c in table.columns]
+    table = table.map(lambda v: _num(v, ".3f")).reset_index()
+    out += [Block("h2", "Speedup per schedule and cap (LP plan, verified by simulation)"), Block("table", table)]
+    out += [Block("image", folder / "sweep.png")] if (folder / "sweep.png").exists() else []
     return out
 
 

@@ -209,7 +209,16 @@ class ParallelConfig(_Section):
     PrepareFloat8ModuleInput / Float8ColwiseParallel cast before gathering, Float8RowwiseParallel casts the
     output gradient before its backward all-gather). sim/tp_comm.py. Without sequence parallelism it also decides
     how a pipeline hop moves: "megatron" by Megatron-LM's scatter-gather of 2021-2022 (1/t per TP rank, then an
-    all-gather over TP on the receiver), "dtensor" whole (sim.cost_model.p2p_transfer_s)."""
+    all-gather over TP on the receiver), "dtensor" whole (sim.cost_model.p2p_transfer_s); `p2p_scatter_gather`
+    overrides that."""
+    p2p_scatter_gather: bool | None = None
+    """Without sequence parallelism, whether a pipeline hop goes by Megatron-LM's scatter-gather of 2021-2022
+    (`--scatter-gather-tensors-in-pipeline`: each TP rank sends 1/t of the boundary tensor and the receiver
+    all-gathers it over TP) or whole (Megatron-Core since 3c92fa93b5, March 2023, and torch pipelining). None:
+    on for tp_style "megatron", off for "dtensor". true needs tp_style "megatron" and, with tp > 1, sequence
+    parallelism off (Megatron skips the scatter-gather under SP; at tp = 1 there is nothing to split). Even on,
+    a hop whose element count s·b·h does not divide by t goes whole, as Megatron's `_communicate` does
+    (megatron/p2p_communication.py lines 148-162 at 0b44909c1a; sim.cost_model.p2p_transfer_s)."""
     tp_comm_overlap: Literal["none", "full", "async-tp"] = "none"
     """How the TP collectives overlap the GEMMs. "none": each adds to its pass. "full": a pass takes
     max(GEMMs, collectives), an upper bound (Megatron --tp-comm-overlap with Transformer Engine's
@@ -233,7 +242,20 @@ class ParallelConfig(_Section):
         if self.tp_comm_overlap == "async-tp" and self.tp > 1 and not self.sequence_parallel:
             raise ValueError('tp_comm_overlap: "async-tp" fuses the all-gathers and reduce-scatters of sequence '
                              'parallelism; set parallel.sequence_parallel = true (or use "full" or "none")')
+        if self.p2p_scatter_gather and self.tp_style != "megatron":
+            raise ValueError('p2p_scatter_gather: true is Megatron-LM\'s scatter-gather; it needs '
+                             'parallel.tp_style = "megatron"; or set it false or omit it')
+        if self.p2p_scatter_gather and self.tp > 1 and self.sequence_parallel:
+            raise ValueError("p2p_scatter_gather: true needs parallel.sequence_parallel = false (with SP each "
+                             "TP rank sends only its shard); or set it false or omit it")
         return self
+
+    @property
+    def scatter_gather_p2p(self) -> bool:
+        """p2p_scatter_gather resolved: as given, else on for tp_style "megatron"."""
+        if self.p2p_scatter_gather is not None:
+            return self.p2p_scatter_gather
+        return self.tp_style == "megatron"
 
 
 class DeviceConfig(_Section):

@@ -203,13 +203,18 @@ def p2p_transfer_s(sc: Scenario, links: Links) -> float:
         (3c92fa93b5, March 2023; since then each rank sends the whole tensor): pipeplan models the Megatron
         of the papers it validates against (2021-2022);
       - tp_style "dtensor" (torch.distributed.pipelining) sends the stage's output as it is, whole
-        (PipelineStage.get_fwd_send_ops, torch/distributed/pipelining/stage.py)."""
+        (PipelineStage.get_fwd_send_ops, torch/distributed/pipelining/stage.py).
+    `parallel.p2p_scatter_gather` overrides the style's default: false models Megatron-Core's whole-tensor hop.
+    Even on, Megatron scatter-gathers only when the tensor's element count s·b·h divides by t, else it sends
+    the whole tensor (`override_scatter_gather_tensors_in_pipeline`, lines 148-162 at 0b44909c1a); so does
+    this. With tp dividing model.heads (sim/limits.py) and heads dividing hidden that count always divides."""
     m = sc.model
     assert m is not None
-    full = DTYPE_BYTES[sc.training.dtype] * sc.training.micro_batch_size * m.seq_len * m.hidden
+    elements = sc.training.micro_batch_size * m.seq_len * m.hidden
+    full = DTYPE_BYTES[sc.training.dtype] * elements
     t = sc.parallel.tp
     link = p2p_link(sc, links)
-    if t > 1 and not sc.parallel.sequence_parallel and sc.parallel.tp_style == "megatron":
+    if t > 1 and not sc.parallel.sequence_parallel and sc.parallel.scatter_gather_p2p and elements % t == 0:
         return link.transfer_s(full / t) + all_gather_s(full, t, tp_link(sc, links))
     return link.transfer_s(boundary_bytes(sc))
 

@@ -130,7 +130,8 @@ def check_cost_table(costs: CostTable) -> CostTable:
             )
     if not 0 <= costs.p2p_s <= MAX_SECONDS:
         raise LimitError(f"costs: p2p_s comes to {_num(costs.p2p_s)} (limit {_num(MAX_SECONDS)}); check "
-                            "interconnect.p2p_gbps and p2p_latency_us")
+                         "interconnect.p2p_gbps, p2p_latency_us, intra/inter_node_* and (with "
+                         "parallel.p2p_scatter_gather) tp_gbps")
     return costs
 
 

@@ -11,7 +11,7 @@ import pytest
 from sim.activations import layer_memory
 from sim.comm import Link, all_gather_s, all_reduce_s, build_links, dp_link, p2p_link, tp_link
 from sim.config import load_scenario, parse_scenario
-from sim.cost_model import bytes_per_param, device_spec
+from sim.cost_model import bytes_per_param, device_spec, p2p_transfer_s
 from sim.costs import build_cost_table
 from sim.errors import ScenarioError
 from sim.layer_split import balanced_split, even_split
@@ -194,6 +194,66 @@ def test_p2p_hop_by_hand(sp, style):
     on_wire = {(True, "megatron"): full / 8, (False, "megatron"): full / 8, (False, "dtensor"): full}[(sp, style)]
     gather = 7 * 5e-6 + 7 / 8 * full / 300e9 if (sp, style) == (False, "megatron") else 0.0
     assert build_cost_table(sc).p2p_s == pytest.approx(10e-6 + on_wire / 25e9 + gather)
+
+
+def test_p2p_scatter_gather_switch():
+    """parallel.p2p_scatter_gather = false is Megatron-Core's whole-tensor hop (3c92fa93b5): the same time as
+    torch pipelining's; the default for "megatron" is the scatter-gather, and true on it changes nothing."""
+    full = 2 * SBH
+    whole = 10e-6 + full / 25e9
+    split = 10e-6 + full / 8 / 25e9 + 7 * 5e-6 + 7 / 8 * full / 300e9
+    assert build_cost_table(gpt(parallel={"p2p_scatter_gather": False})).p2p_s == pytest.approx(whole)
+    assert build_cost_table(gpt()).p2p_s == pytest.approx(split)
+    assert build_cost_table(gpt(parallel={"p2p_scatter_gather": True})).p2p_s == build_cost_table(gpt()).p2p_s
+    dtensor = gpt(parallel={"tp_style": "dtensor", "p2p_scatter_gather": False})
+    assert build_cost_table(dtensor).p2p_s == pytest.approx(whole)
+
+
+def test_p2p_scatter_gather_sends_whole_when_t_does_not_divide_the_tensor():
+    """Megatron's `_communicate` (p2p_communication.py lines 148-162 at 0b44909c1a) scatter-gathers only when
+    s·b·h divides by t. hidden 12,282 and seq 2,047: s·b·h = 25,141,254 is even but not a multiple of 4, so
+    at t = 4 the hop goes whole; at t = 2 it splits. A validated scenario cannot get there (tp divides heads,
+    sim/limits.py, and heads divide hidden), so the model is swapped in after validation."""
+    elements = 2047 * 12282
+    assert elements % 4 and not elements % 2
+    for t, split in ((4, False), (2, True)):
+        sc = gpt(parallel={"tp": t})
+        sc = sc.model_copy(update={"model": sc.model.model_copy(update={"hidden": 12282, "seq_len": 2047})})
+        links = build_links(sc, sc.device.resolved())
+        full = 2 * elements
+        p2p, tp = p2p_link(sc, links), tp_link(sc, links)
+        expected = p2p.transfer_s(full / t) + all_gather_s(full, t, tp) if split else p2p.transfer_s(full)
+        assert p2p_transfer_s(sc, links) == pytest.approx(expected)
+    assert p2p_transfer_s(sc, links) < p2p_link(sc, links).transfer_s(2 * elements)  # t = 2 splits
+
+
+@pytest.mark.parametrize("parallel,field", [
+    ({"p2p_scatter_gather": True, "tp_style": "dtensor"}, "tp_style"),
+    ({"p2p_scatter_gather": True, "sequence_parallel": True}, "sequence_parallel"),
+])
+def test_p2p_scatter_gather_true_needs_megatron_without_sp(parallel, field):
+    with pytest.raises(ScenarioError, match=rf"parallel\.p2p_scatter_gather: .*{field}") as info:
+        gpt(parallel=parallel)
+    assert "\n" not in str(info.value)
+
+
+
+def test_p2p_scatter_gather_at_tp_1_ignores_sequence_parallel_but_never_dtensor():
+    """At t = 1 there is nothing to split (Megatron turns SP off there): true with SP on is accepted."""
+    assert gpt(parallel={"tp": 1, "p2p_scatter_gather": True, "sequence_parallel": True}).parallel.scatter_gather_p2p
+    with pytest.raises(ScenarioError, match="tp_style"):
+        gpt(parallel={"tp": 1, "p2p_scatter_gather": True, "tp_style": "dtensor"})
+    assert not gpt(parallel={"tp_style": "dtensor"}).parallel.scatter_gather_p2p
+    assert gpt().parallel.scatter_gather_p2p and gpt().parallel.p2p_scatter_gather is None
+
+
+def test_p2p_limit_error_names_the_fields_that_set_the_hop():
+    with pytest.raises(ScenarioError, match="p2p_s comes to") as info:
+        build_cost_table(gpt(parallel={"tp": 8}, device={"preset": "A100-80GB"}).model_copy(
+            update={"interconnect": gpt().interconnect.model_copy(update={"p2p_gbps": 1e-9})}))
+    for field in ("interconnect.p2p_gbps", "p2p_latency_us", "inter_node", "parallel.p2p_scatter_gather",
+                  "tp_gbps"):
+        assert field in str(info.value)
 
 
 def test_wave_quantisation_and_efficiency_rising_with_gemm_size():

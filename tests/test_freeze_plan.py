@@ -107,6 +107,22 @@ def test_sweep_cli_writes_csv_and_plot(tmp_path):
     assert (out / "sweep.png").stat().st_size > 0
 
 
+def test_report_on_a_cap_sweep_leads_with_the_fastest_planned_step(tmp_path):
+    """`plan --sweep-cap` folders get a headline like every other kind (analysis.report_answers)."""
+    out = tmp_path / "sweep"
+    assert main(["plan", UNIT, "--sweep-cap", "--schedule", "1f1b", "--out", str(out)]) == 0
+    assert main(["report", str(out)]) == 0
+    sweep = pd.read_csv(out / "sweep.csv")
+    fast = sweep.loc[sweep["simulated_makespan_s"].idxmin()]
+    md = (out / "report.md").read_text()
+    assert md.startswith(f"# pipeplan report: {out.name} (freeze cap sweep)")
+    lead = md.split("\n")[2]
+    assert lead.startswith("**Fastest planned step: 1f1b at cap ") and lead.endswith(".**")
+    assert f"at cap {fast['cap']:g}, {fast['simulated_makespan_s']:.4g} s ({fast['speedup']:.3f}× faster" in lead
+    assert f"{len(sweep)} schedule × cap plans" in lead
+    assert "Speedup per schedule and cap" in md and "Fastest planned step: 1f1b" in (out / "report.html").read_text()
+
+
 def test_verification_failure_is_loud():
     with pytest.raises(VerificationError, match="differs from the LP"):
         verify(10.0, 10.001)

@@ -2,6 +2,7 @@
 
     pipeplan report out/sweep       # the best configuration that fits, what limits it, the ranking
     pipeplan report out/plan        # the freeze plan's speedup and whether it fits
+    pipeplan report out/plan-sweep  # plan --sweep-cap: the fastest planned step, speedup per schedule and cap
 """
 
 from __future__ import annotations

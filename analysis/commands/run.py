@@ -24,13 +24,15 @@ from analysis.console import busy
 from analysis.outputs import add_force_argument, output_folder
 from common.io import short_path
 from runtime.config import FREEZE_MODES, RunConfig
-from runtime.data import NAMED_SOURCES
-from runtime.launch import Rendezvous, launch
 from sim.config import RECOMPUTE_POLICIES
 from sim.errors import PipeplanError
 
 if TYPE_CHECKING:
+    from runtime.launch import Rendezvous
     from sim.config import Scenario
+
+# runtime.data and runtime.launch import torch: they are imported where a job is launched, so that `run`,
+# `profile` and `freeze-study --help` work without torch (tests/test_planning_ux.py); runtime.config does not.
 
 
 class JobFailed(Exception):
@@ -98,7 +100,16 @@ def overrides(args: argparse.Namespace) -> dict[str, object]:
     return out
 
 
+def launch(cfg: RunConfig, rdzv: Rendezvous, poll: Callable[[], None] | None = None) -> int:
+    """runtime.launch.launch, imported (with torch) only when a job starts."""
+    from runtime.launch import launch as launch_torchrun
+
+    return launch_torchrun(cfg, rdzv, poll=poll)
+
+
 def rendezvous(args: argparse.Namespace, stages: int) -> Rendezvous:
+    from runtime.launch import Rendezvous
+
     nproc = args.nproc_per_node or stages // max(1, args.nnodes)
     if nproc * args.nnodes != stages:
         raise PipeplanError(
@@ -111,6 +122,7 @@ def rendezvous(args: argparse.Namespace, stages: int) -> Rendezvous:
 def launch_job(cfg: RunConfig, args: argparse.Namespace, out: str, poll: Callable[[], None] | None = None
                ) -> dict | None:
     """Validate here (bad input is one line, exit 2), launch, and move rank 0's files into `out`."""
+    from runtime.data import NAMED_SOURCES
     from runtime.memory import run_memory
     from runtime.report import predict
     from runtime.train import load_run_scenario
