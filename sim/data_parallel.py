@@ -5,8 +5,19 @@ Per pipeline rank r holding P_r parameters (per TP rank), with d data-parallel r
     ZeRO 0      all-reduce the fp32 gradients (4 P_r bytes): 2(d-1)/d * 4P_r / bw
     ZeRO 1, 2   reduce-scatter them ((d-1)/d * 4P_r / bw), step on the 1/d shard, all-gather the updated bf16
                 weights ((d-1)/d * 2P_r / bw; Megatron's distributed optimizer, not overlapped by default)
-    ZeRO 3      reduce-scatter the gradients; the per-layer parameter all-gathers of F and B are prefetched
-                and hidden behind compute (torch FSDP2), so they are not counted
+    ZeRO 3      with a pipeline (stages > 1): reduce-scatter the gradients once per step, as above; the
+                parameters are gathered once and kept (torchtitan: reshard_after_forward = not pp_enabled), and
+                that gather is not counted.
+                Without one (zero3_per_microbatch): every microbatch re-gathers each layer in F and in B and
+                reduce-scatters its gradients after B (FSDP2 `fully_shard`'s default reshard_after_forward and
+                per-backward reduce-scatter; DeepSpeed stage 3 fetches each submodule in its pre-forward and
+                pre-backward hooks and reduces every micro-step). The gathers are prefetched one layer ahead on
+                their own stream (FSDP2: implicit forward prefetch by CPU run-ahead, explicit backward prefetch
+                of the next layer; DeepSpeed: PartitionedParameterCoordinator.fetch_sub_module prefetches along
+                the recorded trace), so a pass over a chunk takes max(compute, traffic): zero3_pass_comm_s,
+                charged in sim.cost_model.model_chunk_costs. The tail keeps what the step still waits for, the
+                reduce-scatter of the last layer the backward reaches. `parallel.zero3_prefetch = "hidden"`
+                counts no gather (the tail as for a pipeline), an upper bound on overlap.
 
 With overlap_grad_reduce the reduction runs bucket by bucket while the backward still computes (Megatron
 --overlap-grad-reduce, torch DDP): buckets become ready during the rank's last backward pass of each of its
