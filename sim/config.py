@@ -198,7 +198,7 @@ class ParallelConfig(_Section):
     """ZeRO-3 without a pipeline re-gathers every layer's parameters in each microbatch's F and B and
     reduce-scatters its gradients after each B (FSDP2's default reshard_after_forward, DeepSpeed stage 3).
     "one-layer": each gather is prefetched one layer ahead on its own stream, so a pass over a chunk takes
-    max(compute, its parameter traffic) (sim.cost_model.zero3_pass_comm_s). "hidden": the traffic is free, an
+    max(compute, its parameter traffic) (sim.data_parallel.zero3_pass_comm_s). "hidden": the traffic is free, an
     upper bound on any overlap (pipeplan before this key). With a pipeline (stages > 1) the parameters stay
     gathered for the whole step (torchtitan: reshard_after_forward = not pp_enabled) and neither applies."""
     gpus_per_node: PosInt = 8
