@@ -33,3 +33,5 @@ class ChunkDetail:
     op_recompute_s: np.ndarray | None = None  # per layer: what op-level selective checkpointing redoes
     forward_retained_bytes: np.ndarray | None = None  # per chunk and microbatch: held from F's start to the step's end
     backward_retained_bytes: np.ndarray | None = None  # per chunk and microbatch: held from B/I's end to the step's end
+    # per chunk: seconds B's communication bound adds over its compute (ZeRO-3), which recomputation fills first
+    backward_comm_slack_s: np.ndarray | None = None

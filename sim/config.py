@@ -194,6 +194,13 @@ class ParallelConfig(_Section):
     zero: Literal[0, 1, 2, 3] = 0
     """Data-parallel sharding: 1 optimizer state + fp32 master (Megatron distributed optimizer), 2 + gradients,
     3 + parameters (FSDP / ZeRO-3, parameters all-gathered per layer)."""
+    zero3_prefetch: Literal["one-layer", "hidden"] = "one-layer"
+    """ZeRO-3 without a pipeline re-gathers every layer's parameters in each microbatch's F and B and
+    reduce-scatters its gradients after each B (FSDP2's default reshard_after_forward, DeepSpeed stage 3).
+    "one-layer": each gather is prefetched one layer ahead on its own stream, so a pass over a chunk takes
+    max(compute, its parameter traffic) (sim.data_parallel.zero3_pass_comm_s). "hidden": the traffic is free, an
+    upper bound on any overlap (pipeplan before this key). With a pipeline (stages > 1) the parameters stay
+    gathered for the whole step (torchtitan: reshard_after_forward = not pp_enabled) and neither applies."""
     gpus_per_node: PosInt = 8
     """Ranks are laid out TP innermost, then PP, then DP (Megatron's order); a group inside one node talks
     over NVLink, one spanning nodes over the network."""

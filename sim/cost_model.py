@@ -19,7 +19,7 @@ from sim.activations import DTYPE_BYTES, boundary_bytes, layer_memory, logits_by
 from sim.chunk_detail import ChunkDetail
 from sim.comm import Links, all_gather_s, build_links, p2p_link, tp_link
 from sim.config import Scenario
-from sim.data_parallel import StepTail, effective_zero, step_tail
+from sim.data_parallel import StepTail, effective_zero, step_tail, zero3_pass_comm_s
 from sim.layer_ops import HeadTimes, LayerTimes, head_times, layer_flops, layer_times, op_checkpoint_bytes
 from sim.layer_split import layers_per_chunk
 from sim.overheads import loss_transient_bytes, runtime_bytes
@@ -245,6 +245,13 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     params = counts * lc.params
     params[0] += emb_params
     params[-1] += head_params
+    # ZeRO-3 without a pipeline: each pass takes max(compute, parameter traffic) (sim.data_parallel
+    # zero3_pass_comm_s), the pattern of tp_comm_overlap = "full". B's excess goes on I (the gather precedes
+    # dX); the recomputation the memory plan adds before B fills it first (backward_comm_slack_s)
+    gather_f, traffic_b = zero3_pass_comm_s(sc, links, counts, lc.params, params)
+    fwd = np.maximum(fwd, gather_f)
+    slack_b = np.maximum(traffic_b - (bwi + bww), 0.0)
+    bwi = bwi + slack_b
     sp = sequence_divisor(sc)
     # the LM head's saved input: Megatron's ColumnParallelLinear keeps the sequence shard; torch's ColwiseParallel
     # (tp_style "dtensor": torchtitan's "output" plan, input_layouts=Shard(1)) the gathered input, in bf16 (the
@@ -272,7 +279,7 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     states["p2p_buffers"] = buffers.static_bytes
     transient = np.zeros(chunks)
     transient[-1] = loss_transient_bytes(sc)
-    tail = step_tail(sc, spec, links, params, bwi + bww, n_ranks)
+    tail = step_tail(sc, spec, links, params, bwi + bww, n_ranks, lc.params)
     detail = ChunkDetail(
         layers=counts,
         layer_activation_bytes=np.full(chunks, lc.activation_bytes * frag),
@@ -293,6 +300,7 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
         op_recompute_s=np.full(chunks, lt.op_recompute_s),
         forward_retained_bytes=buffers.output_bytes * frag,
         backward_retained_bytes=buffers.input_grad_bytes * frag,
+        backward_comm_slack_s=slack_b,
     )
     flops_mb = t * (m.layers * (lc.forward_flops + lc.backward_input_flops + lc.backward_weight_flops)
                     + 3 * head.flops)

@@ -5,8 +5,19 @@ Per pipeline rank r holding P_r parameters (per TP rank), with d data-parallel r
     ZeRO 0      all-reduce the fp32 gradients (4 P_r bytes): 2(d-1)/d * 4P_r / bw
     ZeRO 1, 2   reduce-scatter them ((d-1)/d * 4P_r / bw), step on the 1/d shard, all-gather the updated bf16
                 weights ((d-1)/d * 2P_r / bw; Megatron's distributed optimizer, not overlapped by default)
-    ZeRO 3      reduce-scatter the gradients; the per-layer parameter all-gathers of F and B are prefetched
-                and hidden behind compute (torch FSDP2), so they are not counted
+    ZeRO 3      with a pipeline (stages > 1): reduce-scatter the gradients once per step, as above; the
+                parameters are gathered once and kept (torchtitan: reshard_after_forward = not pp_enabled), and
+                that gather is not counted.
+                Without one (zero3_per_microbatch): every microbatch re-gathers each layer in F and in B and
+                reduce-scatters its gradients after B (FSDP2 `fully_shard`'s default reshard_after_forward and
+                per-backward reduce-scatter; DeepSpeed stage 3 fetches each submodule in its pre-forward and
+                pre-backward hooks and reduces every micro-step). The gathers are prefetched one layer ahead on
+                their own stream (FSDP2: implicit forward prefetch by CPU run-ahead, explicit backward prefetch
+                of the next layer; DeepSpeed: PartitionedParameterCoordinator.fetch_sub_module prefetches along
+                the recorded trace), so a pass over a chunk takes max(compute, traffic): zero3_pass_comm_s,
+                charged in sim.cost_model.model_chunk_costs. The tail keeps what the step still waits for, the
+                reduce-scatter of the last layer the backward reaches. `parallel.zero3_prefetch = "hidden"`
+                counts no gather (the tail as for a pipeline), an upper bound on overlap.
 
 With overlap_grad_reduce the reduction runs bucket by bucket while the backward still computes (Megatron
 --overlap-grad-reduce, torch DDP): buckets become ready during the rank's last backward pass of each of its
@@ -63,8 +74,47 @@ def chunk_ranks(sc: Scenario) -> np.ndarray:
         return np.arange(p * v) % p
 
 
+def zero3_per_microbatch(sc: Scenario) -> bool:
+    """Whether ZeRO-3 re-gathers the parameters in every microbatch's F and B and reduce-scatters after every B,
+    bounding each pass by its traffic: no pipeline (with one, torchtitan keeps the parameters gathered for the
+    step: reshard_after_forward = not pp_enabled, and turns gradient sync off until the last microbatch),
+    more than one data-parallel rank and `parallel.zero3_prefetch = "one-layer"`."""
+    return (effective_zero(sc) == 3 and sc.parallel.dp > 1 and sc.pipeline.stages == 1
+            and sc.parallel.zero3_prefetch == "one-layer")
+
+
+def zero3_gather_bytes(sc: Scenario) -> float:
+    """Bytes per parameter a ZeRO-3 all-gather moves: the training dtype, or 1 for Float8 linears (torchtitan's
+    enable_fsdp_float8_all_gather; as sim.cost_model.state_bytes_per_param counts the gathered weights)."""
+    from sim.activations import DTYPE_BYTES
+
+    return 1.0 if sc.training.float8_linears else float(DTYPE_BYTES[sc.training.dtype])
+
+
+def zero3_pass_comm_s(sc: Scenario, links: Links, layers: np.ndarray, layer_params: float,
+                      params: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(F, B) seconds of ZeRO-3 parameter traffic per chunk and microbatch over `dp_link`, zeros unless
+    zero3_per_microbatch. Per decoder layer (one FSDP unit, one all-gather each: per-layer ring latency):
+    F all-gathers its parameters; B all-gathers them again (resharded after forward) and reduce-scatters their
+    fp32 gradients. A full recomputation's forward reuses B's gather (FSDP2 `FSDPState._pre_forward` returns
+    early in TrainingState.PRE_BACKWARD: "the pre-backward hook is responsible for the unshard"). The chunk's
+    other parameters (embedding, final norm, LM head: torchtitan's root module, which FSDP2 does not reshard
+    after forward) are gathered once, in F, and reduce-scattered in B."""
+    n = len(layers)
+    if not zero3_per_microbatch(sc):
+        return np.zeros(n), np.zeros(n)
+    d, link = sc.parallel.dp, dp_link(sc, links)
+    g = zero3_gather_bytes(sc)
+    gather = all_gather_s(g * layer_params, d, link)
+    reduce = reduce_scatter_s(GRAD_BYTES * layer_params, d, link)
+    other = np.maximum(params - layers * layer_params, 0.0)
+    other_gather = np.array([all_gather_s(g * x, d, link) for x in other])
+    other_reduce = np.array([reduce_scatter_s(GRAD_BYTES * x, d, link) for x in other])
+    return layers * gather + other_gather, layers * (gather + reduce) + other_reduce
+
+
 def step_tail(sc: Scenario, dev: DeviceSpec, links: Links, params: np.ndarray, backward_s: np.ndarray,
-              n_ranks: int) -> StepTail:
+              n_ranks: int, layer_params: float = 0.0) -> StepTail:
     chunk_rank = chunk_ranks(sc)
     p_rank = np.zeros(n_ranks)
     np.add.at(p_rank, chunk_rank, params)
@@ -81,6 +131,10 @@ def step_tail(sc: Scenario, dev: DeviceSpec, links: Links, params: np.ndarray, b
         bucket = np.array([reduce_scatter_s(GRAD_BYTES * min(max(BUCKET_PARAMS, 1e6 * d), pr), d, link)
                            for pr in p_rank])
     exposed = np.maximum(bucket, reduce - window) if sc.parallel.overlap_grad_reduce else reduce
+    if zero3_per_microbatch(sc):
+        # every B reduce-scatters its gradients inside its own bound (zero3_pass_comm_s); what the step still
+        # waits for is the last layer's reduce-scatter, issued after the backward's last computation
+        exposed = np.full(n_ranks, reduce_scatter_s(GRAD_BYTES * layer_params, d, link))
     exposed = np.where(d > 1, exposed, 0.0)
     gather = np.array([all_gather_s(2 * pr, d, link) for pr in p_rank]) if zero in (1, 2) else np.zeros(n_ranks)
     shard = p_rank / d if zero >= 1 else p_rank

@@ -34,7 +34,7 @@ from sim.ir import BACKWARD_KINDS, Kind, Schedule
 from sim.memory_plan import MemoryPlan, keep_everything, or_zeros
 
 __all__ = ["GIB", "HOST_ADAM_BYTES_PER_PARAM", "RECOMPUTE", "MemoryPlan", "activation_arrays", "build_memory_plan",
-           "keep_everything", "weight_offload_mask", "with_states", "with_weight_offload"]
+           "exposed_recompute_s", "keep_everything", "weight_offload_mask", "with_states", "with_weight_offload"]
 
 GIB = 2**30
 # Bytes of host memory traffic per parameter for one fp32 Adam step on the host: read the gradient (4), read
@@ -66,6 +66,13 @@ def activation_arrays(
     # the loss and LM-head backward, then reaches the last checkpointed layer, so the two never coexist
     transient = np.maximum(transient, or_zeros(d.backward_transient_bytes, costs.num_chunks))
     return np.maximum(kept, 0.0), transient, extra
+
+
+def exposed_recompute_s(costs: CostTable, extra: np.ndarray) -> np.ndarray:
+    """The recomputation time B/I still adds once it has filled the time B waits on its ZeRO-3 parameter
+    traffic anyway (ChunkDetail.backward_comm_slack_s): the pass takes max(compute + recomputation, traffic)."""
+    slack = None if costs.detail is None else costs.detail.backward_comm_slack_s
+    return extra if slack is None else np.maximum(extra - slack, 0.0)
 
 
 def _detail(costs: CostTable) -> ChunkDetail:
@@ -155,7 +162,7 @@ def build_memory_plan(sc: Scenario, costs: CostTable, schedule: Schedule) -> Mem
         MemoryPlan(
             kept_bytes=kept,
             transient_bytes=transient,
-            recompute_s=extra,
+            recompute_s=exposed_recompute_s(costs, extra),
             offload_bytes=kept * mem.offload_activations,
             offload_nvme=np.full(n, mem.activations_tier == "nvme"),
             prefetch_lookahead=mem.prefetch_lookahead,

@@ -92,6 +92,7 @@ from sim.memory import (
     HOST_ADAM_BYTES_PER_PARAM,
     MemoryPlan,
     activation_arrays,
+    exposed_recompute_s,
     keep_everything,
     or_zeros,
     weight_offload_mask,
@@ -756,7 +757,7 @@ def plan_from_choice(sc: Scenario, costs: CostTable, schedule: Schedule, base: M
     plan = MemoryPlan(
         kept_bytes=kept,
         transient_bytes=transient,
-        recompute_s=extra,
+        recompute_s=exposed_recompute_s(costs, extra),
         offload_bytes=off,
         offload_nvme=nvme > 0,
         static_hbm_bytes=base.static_hbm_bytes - np.where(chunk_states, hs, 0.0),

@@ -5,7 +5,7 @@ figures no model constant was ever fitted to or developed against. Two kinds of 
   Table 2's training-time column by Eq. 3, the scenario shapes against the printed GPU counts and batches);
 - a regression guard, not an accuracy target: the mean |error| per metric must not grow past the figure recorded
   in docs/validation.md, rounded up to the next whole percent. The held-out errors are what they are (ZeRO-3's
-  rows miss by up to 89%); the guard only catches a change that makes them worse unnoticed.
+  rows at 384 and 640 GPUs miss by 43% and 49%); the guard only catches a change that makes them worse unnoticed.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from analysis.validation import VALIDATION_DIR, load_published, predict_all, sum
 HELDOUT_CSV = VALIDATION_DIR / "heldout.csv"
 
 # Mean |relative error| per metric measured on the held-out set (docs/validation.md, "Held-out figures":
-# memory 6.33%, throughput 10.56%, ratio 9.45%), rounded up to the next whole percent.
-RECORDED_MEAN_BOUND = {"memory": 0.07, "throughput": 0.11, "ratio": 0.10}
+# memory 6.33%, throughput 6.55%, ratio 5.50% since ZeRO-3's parameter traffic bounds its passes; 10.56% and
+# 9.45% before), rounded up to the next whole percent.
+RECORDED_MEAN_BOUND = {"memory": 0.07, "throughput": 0.07, "ratio": 0.06}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,103 @@
+"""ZeRO-3 parameter traffic bounds each pass when there is no pipeline (sim.data_parallel.zero3_pass_comm_s)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scenarios import scenario_path
+from sim.comm import all_gather_s, build_links, dp_link, reduce_scatter_s
+from sim.config import load_scenario
+from sim.cost_model import embedding_params, layer_costs, model_chunk_costs
+from sim.costs import build_cost_table
+from sim.data_parallel import GRAD_BYTES, zero3_per_microbatch
+from sim.memory import build_memory_plan
+from sim.schedules import build_schedule
+
+NARAYANAN_175B = scenario_path("validation/narayanan-t2-175b-zero3")
+TITAN_8B = scenario_path("validation/torchtitan-llama3.1-8b-fsdp8")
+TITAN_405B_PP = scenario_path("validation/torchtitan-llama3.1-405b-pp8")
+AT_1536 = {"parallel.dp": 1536, "training.micro_batch_size": 1}  # Narayanan Table 2: 14 s of gather per pass
+
+
+def _hidden(path, overrides=None):
+    return model_chunk_costs(load_scenario(path, {**(overrides or {}), "parallel.zero3_prefetch": "hidden"}))
+
+
+def test_a_gather_longer_than_compute_sets_f_and_b():
+    sc = load_scenario(NARAYANAN_175B, AT_1536)
+    assert zero3_per_microbatch(sc)
+    c, hidden = model_chunk_costs(sc), _hidden(NARAYANAN_175B, AT_1536)
+    link = dp_link(sc, build_links(sc, sc.device.resolved()))
+    assert link.bytes_per_s == pytest.approx(25e9)  # 1536 ranks span nodes: the 25 GB/s HCA
+    d, layers, p = 1536, sc.model.layers, layer_costs(sc).params
+    other = sum(embedding_params(sc))
+    gather_f = layers * all_gather_s(2 * p, d, link) + all_gather_s(2 * other, d, link)  # fp16 weights
+    traffic_b = (layers * (all_gather_s(2 * p, d, link) + reduce_scatter_s(GRAD_BYTES * p, d, link))
+                 + reduce_scatter_s(GRAD_BYTES * other, d, link))
+    # closed form: (d-1)/d of the 349 GB of fp16 weights at 25 GB/s, plus 1535 ring steps per layer
+    assert gather_f == pytest.approx((1535 / 1536) * 2 * (layers * p + other) / 25e9 + 97 * 1535 * link.latency_s)
+    assert 13.5 < gather_f < 16.0
+    assert hidden.forward_s[0] < gather_f  # the compute alone is shorter
+    assert c.forward_s[0] == pytest.approx(gather_f, rel=1e-12)
+    assert (c.backward_input_s + c.backward_weight_s)[0] == pytest.approx(traffic_b, rel=1e-12)
+    assert c.backward_weight_s[0] == hidden.backward_weight_s[0]  # the excess goes on I
+    slack = traffic_b - (hidden.backward_input_s + hidden.backward_weight_s)[0]
+    assert c.detail.backward_comm_slack_s[0] == pytest.approx(slack)
+
+
+def test_recomputation_fills_the_time_b_waits_on_its_traffic():
+    sc = load_scenario(NARAYANAN_175B, AT_1536)  # memory.recompute = "full"
+    costs = build_cost_table(sc)
+    plan = build_memory_plan(sc, costs, build_schedule("1f1b", 1, 1))
+    recompute = costs.detail.layers * costs.detail.layer_forward_s
+    slack = costs.detail.backward_comm_slack_s
+    assert recompute[0] > 0 and slack[0] > recompute[0]
+    assert plan.recompute_s[0] == 0.0  # max(B + R, traffic) = traffic
+    # at micro batch 5 on 384 GPUs, B's compute is shorter than its traffic, B's compute plus the recomputation
+    # longer: the recomputation is partly hidden and the pass ends at B + R
+    sc5 = load_scenario(NARAYANAN_175B, {"parallel.dp": 384, "training.micro_batch_size": 5})
+    c5, h5 = build_cost_table(sc5), _hidden(NARAYANAN_175B, {"parallel.dp": 384, "training.micro_batch_size": 5})
+    p5 = build_memory_plan(sc5, c5, build_schedule("1f1b", 1, 1))
+    r5, s5 = (c5.detail.layers * c5.detail.layer_forward_s)[0], c5.detail.backward_comm_slack_s[0]
+    assert 0 < s5 < r5
+    assert p5.recompute_s[0] == pytest.approx(r5 - s5)
+    b5 = (c5.backward_input_s + c5.backward_weight_s)[0] + p5.recompute_s[0]
+    assert b5 == pytest.approx((h5.backward_input_s + h5.backward_weight_s)[0] + r5)
+
+
+def test_a_gather_shorter_than_compute_changes_no_pass():
+    sc = load_scenario(TITAN_8B)  # 8 GPUs of one host: the gathers run over NVLink
+    assert zero3_per_microbatch(sc)
+    c, hidden = model_chunk_costs(sc), _hidden(TITAN_8B)
+    assert np.array_equal(c.forward_s, hidden.forward_s)
+    assert np.array_equal(c.backward_input_s, hidden.backward_input_s)
+    assert np.array_equal(c.backward_weight_s, hidden.backward_weight_s)
+    assert not c.detail.backward_comm_slack_s.any()
+
+
+def test_with_a_pipeline_the_passes_and_the_tail_are_unchanged():
+    for path, over in ((TITAN_405B_PP, {}), (NARAYANAN_175B, {**AT_1536, "pipeline.stages": 2})):
+        sc = load_scenario(path, over)
+        assert sc.pipeline.stages > 1 and not zero3_per_microbatch(sc)
+        c, hidden = model_chunk_costs(sc), _hidden(path, over)
+        for name in ("forward_s", "backward_input_s", "backward_weight_s"):
+            assert np.array_equal(getattr(c, name), getattr(hidden, name))
+        assert np.array_equal(c.tail.comm_s, hidden.tail.comm_s)
+
+
+def test_the_tail_keeps_only_the_last_layer_reduce_scatter():
+    sc = load_scenario(NARAYANAN_175B, AT_1536)
+    c, hidden = model_chunk_costs(sc), _hidden(NARAYANAN_175B, AT_1536)
+    link = dp_link(sc, build_links(sc, sc.device.resolved()))
+    p = layer_costs(sc).params
+    assert c.tail.comm_s[0] == pytest.approx(reduce_scatter_s(GRAD_BYTES * p, 1536, link))
+    # before, the whole step's fp32 reduce-scatter (28 s) was the tail; now it is inside every B
+    assert hidden.tail.comm_s[0] > 20 * c.tail.comm_s[0]
+
+
+def test_a_bad_prefetch_value_names_the_field():
+    from sim.errors import ScenarioError
+
+    with pytest.raises(ScenarioError, match="zero3_prefetch"):
+        load_scenario(NARAYANAN_175B, {"parallel.zero3_prefetch": "two"})
