@@ -66,6 +66,27 @@ def test_recomputation_fills_the_time_b_waits_on_its_traffic():
     assert b5 == pytest.approx((h5.backward_input_s + h5.backward_weight_s)[0] + r5)
 
 
+@pytest.mark.parametrize("micro_batch", [4, 5])
+def test_the_memory_milp_plans_the_recomputation_zero3_hides(micro_batch):
+    """175B on 384 GPUs, memory.plan = true: B waits on its parameter traffic and the MILP recomputes layers.
+    At micro batch 4 the slack (14.9 s) hides the whole recomputation; at 5, 8.1 s of its 17.5 s. The MILP's
+    step must be the simulated one (it used to add the recomputation on top of B's slack: +25% at 4)."""
+    from sim.step import resolve_schedule
+    from solver.memory_milp import TOLERANCE, plan_memory
+
+    sc = load_scenario(NARAYANAN_175B, {"parallel.dp": 384, "training.micro_batch_size": micro_batch,
+                                        "memory.plan": True})
+    costs = build_cost_table(sc)
+    res = plan_memory(sc, costs, resolve_schedule(sc))
+    k = res.choice.recompute_layers[0]
+    recompute, slack = k * costs.detail.layer_forward_s[0], costs.detail.backward_comm_slack_s[0]
+    assert k > 0 and slack > 0
+    assert min(recompute, slack) > TOLERANCE * res.predicted_makespan_s  # the old pricing fails the check
+    assert res.rounds == 1
+    assert res.predicted_makespan_s == pytest.approx(res.simulated.makespan_s, rel=1e-6)
+    assert res.plan.recompute_s[0] == pytest.approx(max(recompute - slack, 0.0))
+
+
 def test_a_gather_shorter_than_compute_changes_no_pass():
     sc = load_scenario(TITAN_8B)  # 8 GPUs of one host: the gathers run over NVLink
     assert zero3_per_microbatch(sc)
