@@ -279,7 +279,7 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     states["p2p_buffers"] = buffers.static_bytes
     transient = np.zeros(chunks)
     transient[-1] = loss_transient_bytes(sc)
-    tail = step_tail(sc, spec, links, params, bwi + bww, n_ranks, lc.params)
+    tail = step_tail(sc, spec, links, params, bwi + bww, n_ranks, lc.params, counts, slack_b)
     detail = ChunkDetail(
         layers=counts,
         layer_activation_bytes=np.full(chunks, lc.activation_bytes * frag),

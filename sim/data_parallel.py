@@ -15,8 +15,9 @@ Per pipeline rank r holding P_r parameters (per TP rank), with d data-parallel r
                 their own stream (FSDP2: implicit forward prefetch by CPU run-ahead, explicit backward prefetch
                 of the next layer; DeepSpeed: PartitionedParameterCoordinator.fetch_sub_module prefetches along
                 the recorded trace), so a pass over a chunk takes max(compute, traffic): zero3_pass_comm_s,
-                charged in sim.cost_model.model_chunk_costs. The tail keeps what the step still waits for, the
-                reduce-scatter of the last layer the backward reaches. `parallel.zero3_prefetch = "hidden"`
+                charged in sim.cost_model.model_chunk_costs. The tail keeps what the step still waits for: the
+                reduce-scatters of the first layer and then of the root module (FSDP2's root post-backward,
+                issued last), less what B's slack already covers (step_tail). `parallel.zero3_prefetch = "hidden"`
                 counts no gather (the tail as for a pipeline), an upper bound on overlap.
 
 With overlap_grad_reduce the reduction runs bucket by bucket while the backward still computes (Megatron
@@ -107,14 +108,23 @@ def zero3_pass_comm_s(sc: Scenario, links: Links, layers: np.ndarray, layer_para
     g = zero3_gather_bytes(sc)
     gather = all_gather_s(g * layer_params, d, link)
     reduce = reduce_scatter_s(GRAD_BYTES * layer_params, d, link)
-    other = np.maximum(params - layers * layer_params, 0.0)
+    other = root_params(layers, layer_params, params)
     other_gather = np.array([all_gather_s(g * x, d, link) for x in other])
     other_reduce = np.array([reduce_scatter_s(GRAD_BYTES * x, d, link) for x in other])
     return layers * gather + other_gather, layers * (gather + reduce) + other_reduce
 
 
+def root_params(layers: np.ndarray, layer_params: float, params: np.ndarray) -> np.ndarray:
+    """Per chunk, the parameters outside its decoder layers (embedding, final norm, LM head: FSDP2's root
+    module in torchtitan)."""
+    return np.maximum(params - layers * layer_params, 0.0)
+
+
 def step_tail(sc: Scenario, dev: DeviceSpec, links: Links, params: np.ndarray, backward_s: np.ndarray,
-              n_ranks: int, layer_params: float = 0.0) -> StepTail:
+              n_ranks: int, layer_params: float = 0.0, layers: np.ndarray | None = None,
+              slack_b: np.ndarray | None = None) -> StepTail:
+    """The step's tail per rank (module docstring). ZeRO-3 per microbatch needs `layer_params`, the chunks'
+    decoder `layers` and B's `slack_b` (its traffic beyond its compute, zero3_pass_comm_s)."""
     chunk_rank = chunk_ranks(sc)
     p_rank = np.zeros(n_ranks)
     np.add.at(p_rank, chunk_rank, params)
@@ -132,9 +142,20 @@ def step_tail(sc: Scenario, dev: DeviceSpec, links: Links, params: np.ndarray, b
                            for pr in p_rank])
     exposed = np.maximum(bucket, reduce - window) if sc.parallel.overlap_grad_reduce else reduce
     if zero3_per_microbatch(sc):
-        # every B reduce-scatters its gradients inside its own bound (zero3_pass_comm_s); what the step still
-        # waits for is the last layer's reduce-scatter, issued after the backward's last computation
-        exposed = np.full(n_ranks, reduce_scatter_s(GRAD_BYTES * layer_params, d, link))
+        # every B reduce-scatters its gradients inside its own bound (zero3_pass_comm_s); what follows the
+        # backward's last computation on the one reduce-scatter stream is the first layer's reduce-scatter and
+        # then the root module's (FSDP2 runs the root's post-backward in _root_post_backward_final_callback: its
+        # forward inputs, the token ids, need no gradient). A traffic-bound B already lasts as long as all its
+        # traffic, these included: what is left is what exceeds B's slack on the chunk that ends the backward
+        root = np.zeros(n_ranks)
+        if layers is not None:
+            np.add.at(root, chunk_rank, root_params(np.asarray(layers, float), layer_params, params))
+        slack = np.zeros(len(params)) if slack_b is None else np.asarray(slack_b, float)
+        first = {int(r): c for c, r in reversed(list(enumerate(chunk_rank)))}  # a rank's backward ends there
+        last = np.array([slack[first[r]] if r in first else 0.0 for r in range(n_ranks)])
+        trailing = np.array([reduce_scatter_s(GRAD_BYTES * layer_params, d, link)
+                             + reduce_scatter_s(GRAD_BYTES * x, d, link) for x in root])
+        exposed = np.maximum(trailing - last, 0.0)
     exposed = np.where(d > 1, exposed, 0.0)
     gather = np.array([all_gather_s(2 * pr, d, link) for pr in p_rank]) if zero in (1, 2) else np.zeros(n_ranks)
     shard = p_rank / d if zero >= 1 else p_rank

@@ -107,14 +107,34 @@ def test_with_a_pipeline_the_passes_and_the_tail_are_unchanged():
         assert np.array_equal(c.tail.comm_s, hidden.tail.comm_s)
 
 
-def test_the_tail_keeps_only_the_last_layer_reduce_scatter():
+def test_the_tail_keeps_the_trailing_reduce_scatters_past_b_slack():
+    """After the backward's last computation the one reduce-scatter stream still runs the first layer's and then
+    the root module's (embedding, final norm, LM head: FSDP2's root post-backward); a traffic-bound B has them
+    inside its bound already, so the tail is what exceeds B's slack."""
+    from sim.cost_model import device_spec
+    from sim.data_parallel import step_tail
+
+    titan = load_scenario(scenario_path("validation/torchtitan-llama3.1-8b-fsdp128"))  # compute-bound B
+    c = model_chunk_costs(titan)
+    assert not c.detail.backward_comm_slack_s.any()
+    link = dp_link(titan, build_links(titan, titan.device.resolved()))
+    assert link.bytes_per_s == pytest.approx(50e9)  # 128 ranks: the network
+    p, root = layer_costs(titan).params, sum(embedding_params(titan))
+    assert 1.0e9 < root < 1.1e9 and root > 4 * p  # Llama 3 8B: 2 x 525M embedding-side, 218M a layer
+    trailing = reduce_scatter_s(GRAD_BYTES * p, 128, link) + reduce_scatter_s(GRAD_BYTES * root, 128, link)
+    assert c.tail.comm_s[0] == pytest.approx(trailing)
+    assert 0.1 < trailing < 0.11  # 18.6 ms + 84.7 ms at 50 GB/s
+    # a slack shorter than the trailing reduce-scatters leaves the rest exposed
+    args = (titan, device_spec(titan), build_links(titan, titan.device.resolved()), c.params,
+            c.backward_input_s + c.backward_weight_s, 1, p, c.detail.layers)
+    assert step_tail(*args, slack_b=np.array([0.04])).comm_s[0] == pytest.approx(trailing - 0.04)
+    assert step_tail(*args, slack_b=np.array([0.2])).comm_s[0] == 0.0
+    # 175B on 1536 GPUs: B waits 37 s on its traffic, the 0.4 s of trailing reduce-scatters included
     sc = load_scenario(NARAYANAN_175B, AT_1536)
     c, hidden = model_chunk_costs(sc), _hidden(NARAYANAN_175B, AT_1536)
-    link = dp_link(sc, build_links(sc, sc.device.resolved()))
-    p = layer_costs(sc).params
-    assert c.tail.comm_s[0] == pytest.approx(reduce_scatter_s(GRAD_BYTES * p, 1536, link))
-    # before, the whole step's fp32 reduce-scatter (28 s) was the tail; now it is inside every B
-    assert hidden.tail.comm_s[0] > 20 * c.tail.comm_s[0]
+    assert c.detail.backward_comm_slack_s[0] > 30
+    assert c.tail.comm_s[0] == 0.0
+    assert hidden.tail.comm_s[0] > 20  # the whole step's fp32 reduce-scatter (28 s), now inside every B
 
 
 def test_a_bad_prefetch_value_names_the_field():
