@@ -75,13 +75,17 @@ def chunk_ranks(sc: Scenario) -> np.ndarray:
         return np.arange(p * v) % p
 
 
+def zero3_reshards(sc: Scenario) -> bool:
+    """Whether ZeRO-3 re-gathers the parameters in every microbatch's F and B and reduce-scatters after every B:
+    no pipeline (with one, torchtitan keeps the parameters gathered for the step: reshard_after_forward =
+    not pp_enabled, and turns gradient sync off until the last microbatch) and more than one data-parallel
+    rank. What HBM holds follows from it (sim.overheads.runtime_bytes), whatever the overlap assumed."""
+    return effective_zero(sc) == 3 and sc.parallel.dp > 1 and sc.pipeline.stages == 1
+
+
 def zero3_per_microbatch(sc: Scenario) -> bool:
-    """Whether ZeRO-3 re-gathers the parameters in every microbatch's F and B and reduce-scatters after every B,
-    bounding each pass by its traffic: no pipeline (with one, torchtitan keeps the parameters gathered for the
-    step: reshard_after_forward = not pp_enabled, and turns gradient sync off until the last microbatch),
-    more than one data-parallel rank and `parallel.zero3_prefetch = "one-layer"`."""
-    return (effective_zero(sc) == 3 and sc.parallel.dp > 1 and sc.pipeline.stages == 1
-            and sc.parallel.zero3_prefetch == "one-layer")
+    """Whether that traffic bounds each pass: zero3_reshards and `parallel.zero3_prefetch = "one-layer"`."""
+    return zero3_reshards(sc) and sc.parallel.zero3_prefetch == "one-layer"
 
 
 def zero3_gather_bytes(sc: Scenario) -> float:
@@ -97,10 +101,16 @@ def zero3_pass_comm_s(sc: Scenario, links: Links, layers: np.ndarray, layer_para
     """(F, B) seconds of ZeRO-3 parameter traffic per chunk and microbatch over `dp_link`, zeros unless
     zero3_per_microbatch. Per decoder layer (one FSDP unit, one all-gather each: per-layer ring latency):
     F all-gathers its parameters; B all-gathers them again (resharded after forward) and reduce-scatters their
-    fp32 gradients. A full recomputation's forward reuses B's gather (FSDP2 `FSDPState._pre_forward` returns
-    early in TrainingState.PRE_BACKWARD: "the pre-backward hook is responsible for the unshard"). The chunk's
-    other parameters (embedding, final norm, LM head: torchtitan's root module, which FSDP2 does not reshard
-    after forward) are gathered once, in F, and reduce-scattered in B."""
+    fp32 gradients, except that B does not re-gather the last block (torchtitan's apply_fsdp at 9dec370, the
+    version of the validation rows: reshard_after_forward = int(layer_id) < len(model.layers) - 1 without a
+    pipeline, "since FSDP would prefetch it immediately"; later torchtitan, from #1094, reshards every block
+    and keeps [norm, output] instead; DeepSpeed stage 3 keeps a module only within its max reuse distance,
+    5e8 parameters in 2021 and 1e9 later, which a 175B LM head's 629M in between may exceed: for those rows
+    one layer's gather per B too few at most). A full recomputation's forward reuses B's gather (FSDP2
+    `FSDPState._pre_forward` returns early in TrainingState.PRE_BACKWARD: "the pre-backward hook is
+    responsible for the unshard"). The chunk's other parameters (embedding, final norm, LM head: torchtitan's
+    root module, which FSDP2 does not reshard after forward) are gathered once, in F, and reduce-scattered
+    in B."""
     n = len(layers)
     if not zero3_per_microbatch(sc):
         return np.zeros(n), np.zeros(n)
@@ -111,7 +121,9 @@ def zero3_pass_comm_s(sc: Scenario, links: Links, layers: np.ndarray, layer_para
     other = root_params(layers, layer_params, params)
     other_gather = np.array([all_gather_s(g * x, d, link) for x in other])
     other_reduce = np.array([reduce_scatter_s(GRAD_BYTES * x, d, link) for x in other])
-    return layers * gather + other_gather, layers * (gather + reduce) + other_reduce
+    kept = np.zeros(n)
+    kept[-1] = float(layers[-1] > 0)  # the last block stays gathered from its forward into its backward
+    return layers * gather + other_gather, (layers - kept) * gather + layers * reduce + other_reduce
 
 
 def root_params(layers: np.ndarray, layer_params: float, params: np.ndarray) -> np.ndarray:

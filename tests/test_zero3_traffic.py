@@ -33,7 +33,8 @@ def test_a_gather_longer_than_compute_sets_f_and_b():
     d, layers, p = 1536, sc.model.layers, layer_costs(sc).params
     other = sum(embedding_params(sc))
     gather_f = layers * all_gather_s(2 * p, d, link) + all_gather_s(2 * other, d, link)  # fp16 weights
-    traffic_b = (layers * (all_gather_s(2 * p, d, link) + reduce_scatter_s(GRAD_BYTES * p, d, link))
+    # B re-gathers every layer but the last, which stays gathered from its forward (torchtitan at 9dec370)
+    traffic_b = ((layers - 1) * all_gather_s(2 * p, d, link) + layers * reduce_scatter_s(GRAD_BYTES * p, d, link)
                  + reduce_scatter_s(GRAD_BYTES * other, d, link))
     # closed form: (d-1)/d of the 349 GB of fp16 weights at 25 GB/s, plus 1535 ring steps per layer
     assert gather_f == pytest.approx((1535 / 1536) * 2 * (layers * p + other) / 25e9 + 97 * 1535 * link.latency_s)
@@ -135,6 +136,26 @@ def test_the_tail_keeps_the_trailing_reduce_scatters_past_b_slack():
     assert c.detail.backward_comm_slack_s[0] > 30
     assert c.tail.comm_s[0] == 0.0
     assert hidden.tail.comm_s[0] > 20  # the whole step's fp32 reduce-scatter (28 s), now inside every B
+
+
+def test_without_a_pipeline_hbm_holds_the_root_module_gathered_and_its_head_gradient():
+    """FSDP2 does not reshard the root module (embedding, final norm, LM head) after forward: its bf16 weights
+    stay gathered through B, and the LM head's unsharded bf16 gradient from B's first op to the root's
+    reduce-scatter; neither with a pipeline, whose weights stay gathered anyway (counted as states)."""
+    from sim.overheads import runtime_bytes
+
+    sc = load_scenario(scenario_path("validation/torchtitan-llama3.1-8b-fsdp128"))
+    dev, p = sc.device.resolved(), layer_costs(sc).params
+    root, head = sum(embedding_params(sc)), sc.model.vocab * sc.model.hidden
+    base = runtime_bytes(sc, dev, p)
+    assert runtime_bytes(sc, dev, p, root, head) - base == pytest.approx(2 * (root + head))
+    assert 2.9 * 2**30 < 2 * (root + head) < 3.0 * 2**30  # Llama 3 8B: 1.05B root parameters, 525M of head
+    assert model_chunk_costs(sc).detail.state_bytes["runtime"][0] == pytest.approx(base + 2 * (root + head))
+    # Float8 linears: the embedding and LM head are not Float8, their gathered weights stay bf16
+    f8 = load_scenario(scenario_path("validation/torchtitan-llama3.1-8b-fsdp128"), {"training.float8_linears": True})
+    assert runtime_bytes(f8, dev, p, root, head) - runtime_bytes(f8, dev, p) == pytest.approx(2 * (root + head))
+    piped = load_scenario(TITAN_405B_PP)
+    assert runtime_bytes(piped, dev, 1e9, 5e9, 2e9) == runtime_bytes(piped, dev, 1e9)
 
 
 def test_a_bad_prefetch_value_names_the_field():
