@@ -89,8 +89,9 @@ def zero3_per_microbatch(sc: Scenario) -> bool:
 
 
 def zero3_gather_bytes(sc: Scenario) -> float:
-    """Bytes per parameter a ZeRO-3 all-gather moves: the training dtype, or 1 for Float8 linears (torchtitan's
-    enable_fsdp_float8_all_gather; as sim.cost_model.state_bytes_per_param counts the gathered weights)."""
+    """Bytes per decoder-layer parameter a ZeRO-3 all-gather moves: the training dtype, or 1 for Float8 linears
+    (torchtitan's enable_fsdp_float8_all_gather; as sim.cost_model.state_bytes_per_param counts the gathered
+    weights). The embedding and LM head gather in the training dtype (zero3_pass_comm_s)."""
     from sim.activations import DTYPE_BYTES
 
     return 1.0 if sc.training.float8_linears else float(DTYPE_BYTES[sc.training.dtype])
@@ -111,6 +112,8 @@ def zero3_pass_comm_s(sc: Scenario, links: Links, layers: np.ndarray, layer_para
     responsible for the unshard"). The chunk's other parameters (embedding, final norm, LM head: torchtitan's
     root module, which FSDP2 does not reshard after forward) are gathered once, in F, and reduce-scattered
     in B."""
+    from sim.activations import DTYPE_BYTES
+
     n = len(layers)
     if not zero3_per_microbatch(sc):
         return np.zeros(n), np.zeros(n)
@@ -119,7 +122,10 @@ def zero3_pass_comm_s(sc: Scenario, links: Links, layers: np.ndarray, layer_para
     gather = all_gather_s(g * layer_params, d, link)
     reduce = reduce_scatter_s(GRAD_BYTES * layer_params, d, link)
     other = root_params(layers, layer_params, params)
-    other_gather = np.array([all_gather_s(g * x, d, link) for x in other])
+    # the embedding and LM head are no Float8 linears (torchtitan float8.py at 9dec370: module_filter_fn
+    # `fqn != "output"`; nn.Embedding is not swapped): gathered in the training dtype
+    e = float(DTYPE_BYTES[sc.training.dtype])
+    other_gather = np.array([all_gather_s(e * x, d, link) for x in other])
     other_reduce = np.array([reduce_scatter_s(GRAD_BYTES * x, d, link) for x in other])
     kept = np.zeros(n)
     kept[-1] = float(layers[-1] > 0)  # the last block stays gathered from its forward into its backward

@@ -158,6 +158,19 @@ def test_without_a_pipeline_hbm_holds_the_root_module_gathered_and_its_head_grad
     assert runtime_bytes(piped, dev, 1e9, 5e9, 2e9) == runtime_bytes(piped, dev, 1e9)
 
 
+def test_float8_gathers_the_decoder_layers_in_fp8_and_the_root_in_bf16():
+    from sim.data_parallel import zero3_pass_comm_s
+
+    sc = load_scenario(scenario_path("validation/torchtitan-llama3.1-8b-fsdp128"), {"training.float8_linears": True})
+    links = build_links(sc, sc.device.resolved())
+    link, p, root = dp_link(sc, links), layer_costs(sc).params, sum(embedding_params(sc))
+    layers = np.array([float(sc.model.layers)])
+    f, b = zero3_pass_comm_s(sc, links, layers, p, layers * p + root)
+    assert f[0] == pytest.approx(32 * all_gather_s(1 * p, 128, link) + all_gather_s(2 * root, 128, link))
+    assert b[0] == pytest.approx(31 * all_gather_s(1 * p, 128, link) + 32 * reduce_scatter_s(GRAD_BYTES * p, 128, link)
+                                 + reduce_scatter_s(GRAD_BYTES * root, 128, link))
+
+
 def test_a_bad_prefetch_value_names_the_field():
     from sim.errors import ScenarioError
 
