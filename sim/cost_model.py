@@ -275,11 +275,13 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     stash[-1] += head_in + logits_bytes(sc)
     states = {k: params * per for k, per in state_bytes_per_param(sc).items()}
     n_ranks = sc.pipeline.stages
-    states["runtime"] = np.full(chunks, runtime_bytes(sc, dev, lc.params) / sc.pipeline.virtual_stages)
+    root = float(np.sum(params - counts * lc.params))  # without a pipeline (the only case it is read) one rank
+    lm_head = m.vocab * m.hidden / sc.parallel.tp  # tied or not, B's first op writes this weight's gradient
+    states["runtime"] = np.full(chunks, runtime_bytes(sc, dev, lc.params, root, lm_head) / sc.pipeline.virtual_stages)
     states["p2p_buffers"] = buffers.static_bytes
     transient = np.zeros(chunks)
     transient[-1] = loss_transient_bytes(sc)
-    tail = step_tail(sc, spec, links, params, bwi + bww, n_ranks, lc.params)
+    tail = step_tail(sc, spec, links, params, bwi + bww, n_ranks, lc.params, counts, slack_b)
     detail = ChunkDetail(
         layers=counts,
         layer_activation_bytes=np.full(chunks, lc.activation_bytes * frag),

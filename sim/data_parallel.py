@@ -15,8 +15,9 @@ Per pipeline rank r holding P_r parameters (per TP rank), with d data-parallel r
                 their own stream (FSDP2: implicit forward prefetch by CPU run-ahead, explicit backward prefetch
                 of the next layer; DeepSpeed: PartitionedParameterCoordinator.fetch_sub_module prefetches along
                 the recorded trace), so a pass over a chunk takes max(compute, traffic): zero3_pass_comm_s,
-                charged in sim.cost_model.model_chunk_costs. The tail keeps what the step still waits for, the
-                reduce-scatter of the last layer the backward reaches. `parallel.zero3_prefetch = "hidden"`
+                charged in sim.cost_model.model_chunk_costs. The tail keeps what the step still waits for: the
+                reduce-scatters of the first layer and then of the root module (FSDP2's root post-backward,
+                issued last), less what B's slack already covers (step_tail). `parallel.zero3_prefetch = "hidden"`
                 counts no gather (the tail as for a pipeline), an upper bound on overlap.
 
 With overlap_grad_reduce the reduction runs bucket by bucket while the backward still computes (Megatron
@@ -74,18 +75,23 @@ def chunk_ranks(sc: Scenario) -> np.ndarray:
         return np.arange(p * v) % p
 
 
+def zero3_reshards(sc: Scenario) -> bool:
+    """Whether ZeRO-3 re-gathers the parameters in every microbatch's F and B and reduce-scatters after every B:
+    no pipeline (with one, torchtitan keeps the parameters gathered for the step: reshard_after_forward =
+    not pp_enabled, and turns gradient sync off until the last microbatch) and more than one data-parallel
+    rank. What HBM holds follows from it (sim.overheads.runtime_bytes), whatever the overlap assumed."""
+    return effective_zero(sc) == 3 and sc.parallel.dp > 1 and sc.pipeline.stages == 1
+
+
 def zero3_per_microbatch(sc: Scenario) -> bool:
-    """Whether ZeRO-3 re-gathers the parameters in every microbatch's F and B and reduce-scatters after every B,
-    bounding each pass by its traffic: no pipeline (with one, torchtitan keeps the parameters gathered for the
-    step: reshard_after_forward = not pp_enabled, and turns gradient sync off until the last microbatch),
-    more than one data-parallel rank and `parallel.zero3_prefetch = "one-layer"`."""
-    return (effective_zero(sc) == 3 and sc.parallel.dp > 1 and sc.pipeline.stages == 1
-            and sc.parallel.zero3_prefetch == "one-layer")
+    """Whether that traffic bounds each pass: zero3_reshards and `parallel.zero3_prefetch = "one-layer"`."""
+    return zero3_reshards(sc) and sc.parallel.zero3_prefetch == "one-layer"
 
 
 def zero3_gather_bytes(sc: Scenario) -> float:
-    """Bytes per parameter a ZeRO-3 all-gather moves: the training dtype, or 1 for Float8 linears (torchtitan's
-    enable_fsdp_float8_all_gather; as sim.cost_model.state_bytes_per_param counts the gathered weights)."""
+    """Bytes per decoder-layer parameter a ZeRO-3 all-gather moves: the training dtype, or 1 for Float8 linears
+    (torchtitan's enable_fsdp_float8_all_gather; as sim.cost_model.state_bytes_per_param counts the gathered
+    weights). The embedding and LM head gather in the training dtype (zero3_pass_comm_s)."""
     from sim.activations import DTYPE_BYTES
 
     return 1.0 if sc.training.float8_linears else float(DTYPE_BYTES[sc.training.dtype])
@@ -96,10 +102,18 @@ def zero3_pass_comm_s(sc: Scenario, links: Links, layers: np.ndarray, layer_para
     """(F, B) seconds of ZeRO-3 parameter traffic per chunk and microbatch over `dp_link`, zeros unless
     zero3_per_microbatch. Per decoder layer (one FSDP unit, one all-gather each: per-layer ring latency):
     F all-gathers its parameters; B all-gathers them again (resharded after forward) and reduce-scatters their
-    fp32 gradients. A full recomputation's forward reuses B's gather (FSDP2 `FSDPState._pre_forward` returns
-    early in TrainingState.PRE_BACKWARD: "the pre-backward hook is responsible for the unshard"). The chunk's
-    other parameters (embedding, final norm, LM head: torchtitan's root module, which FSDP2 does not reshard
-    after forward) are gathered once, in F, and reduce-scattered in B."""
+    fp32 gradients, except that B does not re-gather the last block (torchtitan's apply_fsdp at 9dec370, the
+    version of the validation rows: reshard_after_forward = int(layer_id) < len(model.layers) - 1 without a
+    pipeline, "since FSDP would prefetch it immediately"; later torchtitan, from #1094, reshards every block
+    and keeps [norm, output] instead; DeepSpeed stage 3 keeps a module only within its max reuse distance,
+    5e8 parameters in 2021 and 1e9 later, which a 175B LM head's 629M in between may exceed: for those rows
+    one layer's gather per B too few at most). A full recomputation's forward reuses B's gather (FSDP2
+    `FSDPState._pre_forward` returns early in TrainingState.PRE_BACKWARD: "the pre-backward hook is
+    responsible for the unshard"). The chunk's other parameters (embedding, final norm, LM head: torchtitan's
+    root module, which FSDP2 does not reshard after forward) are gathered once, in F, and reduce-scattered
+    in B."""
+    from sim.activations import DTYPE_BYTES
+
     n = len(layers)
     if not zero3_per_microbatch(sc):
         return np.zeros(n), np.zeros(n)
@@ -107,14 +121,28 @@ def zero3_pass_comm_s(sc: Scenario, links: Links, layers: np.ndarray, layer_para
     g = zero3_gather_bytes(sc)
     gather = all_gather_s(g * layer_params, d, link)
     reduce = reduce_scatter_s(GRAD_BYTES * layer_params, d, link)
-    other = np.maximum(params - layers * layer_params, 0.0)
-    other_gather = np.array([all_gather_s(g * x, d, link) for x in other])
+    other = root_params(layers, layer_params, params)
+    # the embedding and LM head are no Float8 linears (torchtitan float8.py at 9dec370: module_filter_fn
+    # `fqn != "output"`; nn.Embedding is not swapped): gathered in the training dtype
+    e = float(DTYPE_BYTES[sc.training.dtype])
+    other_gather = np.array([all_gather_s(e * x, d, link) for x in other])
     other_reduce = np.array([reduce_scatter_s(GRAD_BYTES * x, d, link) for x in other])
-    return layers * gather + other_gather, layers * (gather + reduce) + other_reduce
+    kept = np.zeros(n)
+    kept[-1] = float(layers[-1] > 0)  # the last block stays gathered from its forward into its backward
+    return layers * gather + other_gather, (layers - kept) * gather + layers * reduce + other_reduce
+
+
+def root_params(layers: np.ndarray, layer_params: float, params: np.ndarray) -> np.ndarray:
+    """Per chunk, the parameters outside its decoder layers (embedding, final norm, LM head: FSDP2's root
+    module in torchtitan)."""
+    return np.maximum(params - layers * layer_params, 0.0)
 
 
 def step_tail(sc: Scenario, dev: DeviceSpec, links: Links, params: np.ndarray, backward_s: np.ndarray,
-              n_ranks: int, layer_params: float = 0.0) -> StepTail:
+              n_ranks: int, layer_params: float = 0.0, layers: np.ndarray | None = None,
+              slack_b: np.ndarray | None = None) -> StepTail:
+    """The step's tail per rank (module docstring). ZeRO-3 per microbatch needs `layer_params`, the chunks'
+    decoder `layers` and B's `slack_b` (its traffic beyond its compute, zero3_pass_comm_s)."""
     chunk_rank = chunk_ranks(sc)
     p_rank = np.zeros(n_ranks)
     np.add.at(p_rank, chunk_rank, params)
@@ -132,9 +160,20 @@ def step_tail(sc: Scenario, dev: DeviceSpec, links: Links, params: np.ndarray, b
                            for pr in p_rank])
     exposed = np.maximum(bucket, reduce - window) if sc.parallel.overlap_grad_reduce else reduce
     if zero3_per_microbatch(sc):
-        # every B reduce-scatters its gradients inside its own bound (zero3_pass_comm_s); what the step still
-        # waits for is the last layer's reduce-scatter, issued after the backward's last computation
-        exposed = np.full(n_ranks, reduce_scatter_s(GRAD_BYTES * layer_params, d, link))
+        # every B reduce-scatters its gradients inside its own bound (zero3_pass_comm_s); what follows the
+        # backward's last computation on the one reduce-scatter stream is the first layer's reduce-scatter and
+        # then the root module's (FSDP2 runs the root's post-backward in _root_post_backward_final_callback: its
+        # forward inputs, the token ids, need no gradient). A traffic-bound B already lasts as long as all its
+        # traffic, these included: what is left is what exceeds B's slack on the chunk that ends the backward
+        root = np.zeros(n_ranks)
+        if layers is not None:
+            np.add.at(root, chunk_rank, root_params(np.asarray(layers, float), layer_params, params))
+        slack = np.zeros(len(params)) if slack_b is None else np.asarray(slack_b, float)
+        first = {int(r): c for c, r in reversed(list(enumerate(chunk_rank)))}  # a rank's backward ends there
+        last = np.array([slack[first[r]] if r in first else 0.0 for r in range(n_ranks)])
+        trailing = np.array([reduce_scatter_s(GRAD_BYTES * layer_params, d, link)
+                             + reduce_scatter_s(GRAD_BYTES * x, d, link) for x in root])
+        exposed = np.maximum(trailing - last, 0.0)
     exposed = np.where(d > 1, exposed, 0.0)
     gather = np.array([all_gather_s(2 * pr, d, link) for pr in p_rank]) if zero in (1, 2) else np.zeros(n_ranks)
     shard = p_rank / d if zero >= 1 else p_rank

@@ -9,7 +9,14 @@
                          per communicator on NVLink systems by default (NCCL_MAX_NCHANNELS ... ), so
                          2 * 16 * 4 MiB = 128 MiB per communicator this rank uses (TP, PP, DP)
     FSDP (ZeRO-3)        the all-gathered bf16 parameters of the current and the prefetched layer and the
-                         current layer's fp32 unsharded gradient before its reduce-scatter (torch FSDP2)
+                         current layer's fp32 unsharded gradient before its reduce-scatter (torch FSDP2);
+                         without a pipeline also the root module (embedding, final norm, LM head), which
+                         FSDP2 does not reshard after forward ("The root FSDP state has its value specially
+                         set to False", fully_shard's reshard_after_forward docs): its gathered weights from
+                         F to the end of B, in the training dtype (torchtitan gathers only Float8 linears in
+                         fp8), and the LM head's unsharded gradient in the same dtype, written by B's first
+                         backward op and held until the root's reduce-scatter after B's last (FSDP2 casts to
+                         the fp32 reduce dtype only then, when the activations are gone: not counted)
     data-parallel bucket with ZeRO-2/3 the gradient bucket being reduced (Megatron: max(40M, 1M * dp)
                          parameters, distributed_data_parallel.py) is fp32 and unsharded
     loss transient       while the last chunk's backward starts, the bf16 logits' gradient and the fp32
@@ -20,7 +27,7 @@ from __future__ import annotations
 
 from sim.activations import DTYPE_BYTES
 from sim.config import Scenario
-from sim.data_parallel import effective_zero
+from sim.data_parallel import effective_zero, zero3_reshards
 
 MIB = 2**20
 NCCL_BUFFSIZE_BYTES = 4 * MIB  # NCCL_BUFFSIZE default
@@ -35,9 +42,11 @@ def nccl_communicators(sc: Scenario) -> int:
     return int(sc.parallel.tp > 1) + (2 if p > 2 else int(p > 1)) + int(sc.parallel.dp > 1)
 
 
-def runtime_bytes(sc: Scenario, dev: dict[str, float], layer_params: float) -> float:
+def runtime_bytes(sc: Scenario, dev: dict[str, float], layer_params: float, root_params: float = 0.0,
+                  head_params: float = 0.0) -> float:
     """Per rank: context, workspaces, communication buffers and ZeRO-2/3 working buffers (`layer_params`: one
-    layer's parameters on this TP rank)."""
+    layer's parameters on this TP rank; `root_params`: the rank's parameters outside its decoder layers,
+    `head_params` the LM head's weight among them, both only read by ZeRO-3 without a pipeline)."""
     total = 0.0
     if sc.memory.runtime_overheads:
         total += dev["cuda_context_mib"] * MIB + CUBLAS_STREAMS * dev["cublas_workspace_mib"] * MIB
@@ -48,6 +57,8 @@ def runtime_bytes(sc: Scenario, dev: dict[str, float], layer_params: float) -> f
         total += 4 * max(BUCKET_PARAMS, 1_000_000 * dp)
     if zero == 3 and dp > 1:
         total += 2 * e * layer_params + 4 * layer_params
+    if zero3_reshards(sc):
+        total += e * (root_params + head_params)
     return total
 
 

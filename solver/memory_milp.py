@@ -15,7 +15,9 @@ f_c forward seconds; A_c the chunk's activation bytes; m microbatches.
                                            a stash is many tensors (two per linear layer and microbatch), so
                                            any share is a set of them to within one tensor
                 s_i >= 0 start times,  T makespan
-    duration    D_i = w_i + f_c k_c for B/I of chunk c, else w_i
+    duration    D_i = w_i + f_c k_c for B/I of chunk c, else w_i; under ZeRO-3 without a pipeline, whose B/I
+                already waits ς_c on its parameter traffic (ChunkDetail.backward_comm_slack_s), w_i + x_c
+                with x_c >= f_c k_c - ς_c, x_c >= 0 (sim.memory.exposed_recompute_s)
     minimise    T + ε Σ_c (f_c k_c m + x_c m + ξ_c m)      (ε = 1e-6: prefer less work on ties; MIP gap 1%)
     subject to  s_v >= s_u + D_u + delay_uv                                  every DAG edge
                 T >= s_i + D_i                                               the last action of every rank
@@ -383,6 +385,9 @@ class _Columns:
     start: np.ndarray  # s_i, one per node of the step graph
     makespan: int  # T
     peak: int  # P
+    # x_c >= f_c k_c - ς_c, x_c >= 0: the recomputation B/I still adds past its ZeRO-3 slack ς_c
+    # (sim.memory.exposed_recompute_s); None without slack, where B/I adds f_c k_c itself
+    exposed: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -393,6 +398,7 @@ class _Chunks:
     act: np.ndarray  # a_c, bytes per layer
     saved: np.ndarray  # a_c - q_c, bytes recomputation frees per layer
     fwd: np.ndarray  # f_c, seconds per recomputed layer
+    slack: np.ndarray  # ς_c, seconds B/I waits on ZeRO-3 parameter traffic beyond its compute (recomputation fills it)
     copy_dram: np.ndarray  # seconds per DRAM-offloaded layer (slowdown included)
     copy_nvme: np.ndarray  # seconds per NVMe-offloaded layer
     weight_bytes: np.ndarray  # W_c, the bf16 weights
@@ -410,8 +416,9 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     weights = d.state_bytes.get("weights", np.zeros(n_c))
     layers = d.layers.astype(float)
     sigma = or_zeros(base.stash_bytes, n_c) / np.maximum(layers, 1)
+    slack = or_zeros(d.backward_comm_slack_s, n_c)
     ch = _Chunks(layers, d.layer_activation_bytes, d.layer_activation_bytes - d.layer_checkpoint_bytes,
-                 d.layer_forward_s, d.layer_activation_bytes * slowdown / base.host_link_bps,
+                 d.layer_forward_s, slack, d.layer_activation_bytes * slowdown / base.host_link_bps,
                  d.layer_activation_bytes * slowdown / base.nvme_bps, weights, weights * slowdown / base.host_link_bps,
                  sigma, sigma * slowdown / base.host_link_bps)
     # u_c: memory.offload_stash = "auto" lets the MILP choose, a share fixes it (0: the stash stays in HBM)
@@ -434,11 +441,15 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
         lp.add_variables(n_c, w_lo, w_hi),
         lp.add_variables(n_c, u_lo, u_hi),
         lp.add_variables(dag.n_nodes, 0, np.inf), lp.add_variables(1, 0, np.inf)[0], lp.add_variables(1, 0, np.inf)[0],
+        lp.add_variables(n_c, 0, np.inf) if slack.any() else None,
     )
     lp.set_integer(np.concatenate([col.recompute, col.dram, col.nvme, col.recomputes, col.to_nvme,
                                    col.states_on_host, col.weights]))
     rows = _Rows()
     _layer_choice_rows(rows, col, ch)
+    if col.exposed is not None:  # x_c - f_c k_c >= -ς_c
+        for c in range(n_c):
+            rows.add(-ch.slack[c], np.inf, [col.exposed[c], col.recompute[c]], [1, -ch.fwd[c]])
     _precedence_rows(rows, col, ch, dag)
     _copy_rows(rows, lp, col, ch, dag, lookahead, w_hi.any(), stash, sc.memory.copy_granularity == "layer")
     _step_copy_rows(rows, col, ch, dag, _step_copy_s(costs, base), _base_step_s(base), sc.memory.optimizer != "hbm",
@@ -497,9 +508,12 @@ def _layer_choice_rows(rows: _Rows, col: _Columns, ch: _Chunks) -> None:
 
 
 def _end_terms(col: _Columns, ch: _Chunks, dag: FreezeDag, i: int) -> tuple[list[int], list[float]]:
-    """Columns and coefficients of node i's duration beyond its constant w_i: recomputation before B/I."""
+    """Columns and coefficients of node i's duration beyond its constant w_i: recomputation before B/I (under
+    ZeRO-3's slack, only what it adds past the slack: x_c)."""
     if i < dag.n_actions and dag.actions[i].kind in BACKWARD_KINDS:
         c = dag.actions[i].stage
+        if col.exposed is not None:
+            return [col.exposed[c]], [1.0]
         return [col.recompute[c]], [ch.fwd[c]]
     return [], []
 
