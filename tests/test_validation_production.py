@@ -12,12 +12,12 @@ developed against. Two kinds of checks:
 
 from __future__ import annotations
 
-import math
 import tomllib
 
 import pytest
 
-from analysis.validation import VALIDATION_DIR, load_published, narayanan_flops, predict_all, summarize
+from analysis.validation import VALIDATION_DIR, load_published, narayanan_flops, predict_all
+from tests.validation_guard import assert_every_scored_row_predicted, assert_mean_error_within
 
 PRODUCTION_CSV = VALIDATION_DIR / "production.csv"
 
@@ -138,16 +138,11 @@ def test_ratios_are_the_quotients_of_their_printed_rows(figures):
 # ---- the regression guard ------------------------------------------------------------------------------------
 
 def test_every_scored_row_is_predicted(predictions):
-    missing = sorted({p.reason for p in predictions if p.figure.scored and p.predicted is None})
-    assert not missing, missing
-    assert sum(p.figure.scored for p in predictions) == 4 + 1 + 2
+    assert_every_scored_row_predicted(predictions, 4 + 1 + 2)
 
 
 @pytest.mark.parametrize("metric", ["memory", "time", "ratio"])
 def test_production_mean_error_does_not_grow(predictions, metric):
     """A regression guard, not an accuracy target: the mean |error| per metric stays within the figure recorded in
     docs/validation.md ("Production runs"), rounded up to the next whole percent."""
-    s = next(s for s in summarize(predictions) if s.metric == metric and s.source == "all")
-    assert s.predicted == s.cases
-    assert s.mean_abs_error is not None and math.isfinite(s.mean_abs_error)
-    assert s.mean_abs_error <= RECORDED_MEAN_BOUND[metric]
+    assert_mean_error_within(predictions, metric, RECORDED_MEAN_BOUND[metric])
