@@ -275,6 +275,10 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     stash[-1] += head_in + logits_bytes(sc)
     states = {k: params * per for k, per in state_bytes_per_param(sc).items()}
     n_ranks = sc.pipeline.stages
+    if effective_zero(sc) == 3 and sc.parallel.dp > 1 and n_ranks > 1 and tr.float8_linears:
+        # the kept unsharded embedding and LM head are not Float8 (torchtitan's float8.py skips `output` and
+        # embeddings): the training dtype, where state_bytes_per_param counts 1 byte for every parameter
+        states["weights"] = states["weights"] + (e - 1) * (params - counts * lc.params)
     root = float(np.sum(params - counts * lc.params))  # without a pipeline (the only case it is read) one rank
     lm_head = m.vocab * m.hidden / sc.parallel.tp  # tied or not, B's first op writes this weight's gradient
     states["runtime"] = np.full(chunks, runtime_bytes(sc, dev, lc.params, root, lm_head) / sc.pipeline.virtual_stages)

@@ -176,3 +176,18 @@ def test_a_bad_prefetch_value_names_the_field():
 
     with pytest.raises(ScenarioError, match="zero3_prefetch"):
         load_scenario(NARAYANAN_175B, {"parallel.zero3_prefetch": "two"})
+
+
+
+def test_with_a_pipeline_and_float8_the_kept_root_weights_stay_in_the_training_dtype():
+    """FSDP with a pipeline keeps the gathered weights for the step, Float8 linears at 1 byte each, but the
+    embedding and LM head (not Float8) in bf16: 2 bytes per root parameter on the first and last chunks."""
+    sc = load_scenario(TITAN_405B_PP)
+    assert sc.training.float8_linears and sc.pipeline.stages > 1 and sc.training.dtype == "bf16"
+    c = model_chunk_costs(sc)
+    layers = c.detail.layers * layer_costs(sc).params
+    first, last = embedding_params(sc)
+    weights = c.detail.state_bytes["weights"]
+    assert weights[1:-1] == pytest.approx(layers[1:-1])  # decoder layers only: 1 byte each
+    assert weights[0] == pytest.approx(layers[0] + 2 * first)
+    assert weights[-1] == pytest.approx(layers[-1] + 2 * last)
