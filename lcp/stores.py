@@ -6,7 +6,8 @@ transfers per line. A store marked `!nontemporal` (x86: `movnti`) goes to memory
 write-combining buffers without that read: in a numba microbenchmark writing [4096, 1000] int64 twice,
 0.73 against 1.08 µs per query (CPU time, median of 5). Numba has no such store, so it is emitted as
 LLVM IR through `numba.extending.intrinsic`. Streaming stores are weakly ordered: `fence` (a sequentially
-consistent LLVM fence, `mfence` on x86) orders them before whatever the caller does next."""
+consistent LLVM fence, `mfence` on x86) orders them before whatever the caller does next. numba's on-disk
+cache tracks only lcp/kernel.py: after editing this file, touch lcp/kernel.py so that the kernel recompiles."""
 
 from __future__ import annotations
 
