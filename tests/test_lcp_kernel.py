@@ -393,6 +393,22 @@ def test_long_rows_written_in_blocks(direct_cap):
     assert (d[:16] == 1).all() and (d[20:36] == 0).all()
 
 
+
+def test_streamed_rows_pad_past_n():
+    """k > N with N >= BLOCKS and B · k >= STREAM: the blocks and the padding (lcp and id −1 past N) are written
+    by streaming stores; the answer equals brute force (N = 300 rows, k = 1,000, 600 queries)."""
+    from lcp.kernel import BLOCKS, STREAM
+
+    g = torch.Generator().manual_seed(5)
+    n, k, b = 300, 1000, 600
+    rows = torch.randint(0, 4, (n, 6), dtype=torch.uint8, generator=g)
+    queries = torch.randint(0, 4, (b, 6), dtype=torch.uint8, generator=g)
+    assert n >= BLOCKS and b * k >= STREAM
+    got = build(rows, engine="numba").topk(queries, k)
+    want_ids, want_lcps = torch_brute_force(rows, torch.full((n,), 6), queries, torch.full((b,), 6), k)
+    assert torch.equal(got.ids, want_ids) and torch.equal(got.lcps, want_lcps)
+    assert (got.ids[:, n:] == -1).all() and (got.lcps[:, n:] == -1).all()
+
 def test_engine_choice_and_refusals():
     rows = torch.randint(0, 256, (100, 4), dtype=torch.uint8)
     index = LCPIndex.build(rows)
