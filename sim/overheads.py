@@ -8,9 +8,11 @@
                          each of the send and receive sides of each channel; NCCL opens up to 16 channels
                          per communicator on NVLink systems by default (NCCL_MAX_NCHANNELS ... ), so
                          2 * 16 * 4 MiB = 128 MiB per communicator this rank uses (TP, PP, DP)
-    FSDP (ZeRO-3)        the all-gathered bf16 parameters of the current and the prefetched layer and the
-                         current layer's fp32 unsharded gradient before its reduce-scatter (torch FSDP2);
-                         without a pipeline also the root module (embedding, final norm, LM head), which
+    FSDP (ZeRO-3)        without a pipeline, the all-gathered parameters of the current and the prefetched
+                         layer (bf16, Float8 linears in fp8) and the current layer's fp32 unsharded gradient
+                         before its reduce-scatter (torch FSDP2); with a pipeline every weight stays gathered
+                         and every gradient unsharded for the step, counted with the model states instead.
+                         Without a pipeline also the root module (embedding, final norm, LM head), which
                          FSDP2 does not reshard after forward ("The root FSDP state has its value specially
                          set to False", fully_shard's reshard_after_forward docs): its gathered weights from
                          F to the end of B, in the training dtype (torchtitan gathers only Float8 linears in
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 from sim.activations import DTYPE_BYTES
 from sim.config import Scenario
-from sim.data_parallel import effective_zero, zero3_reshards
+from sim.data_parallel import effective_zero, zero3_gather_bytes, zero3_reshards
 
 MIB = 2**20
 NCCL_BUFFSIZE_BYTES = 4 * MIB  # NCCL_BUFFSIZE default
@@ -55,9 +57,10 @@ def runtime_bytes(sc: Scenario, dev: dict[str, float], layer_params: float, root
     e = DTYPE_BYTES[sc.training.dtype]
     if zero >= 2 and dp > 1:
         total += 4 * max(BUCKET_PARAMS, 1_000_000 * dp)
-    if zero == 3 and dp > 1:
-        total += 2 * e * layer_params + 4 * layer_params
     if zero3_reshards(sc):
+        # with a pipeline every weight stays gathered and every gradient unsharded for the step, which
+        # sim.cost_model.state_bytes_per_param counts: no per-layer buffers on top
+        total += 2 * zero3_gather_bytes(sc) * layer_params + 4 * layer_params
         total += e * (root_params + head_params)
     return total
 
