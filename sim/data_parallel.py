@@ -165,15 +165,17 @@ def step_tail(sc: Scenario, dev: DeviceSpec, links: Links, params: np.ndarray, b
         # then the root module's (FSDP2 runs the root's post-backward in _root_post_backward_final_callback: its
         # forward inputs, the token ids, need no gradient). A traffic-bound B already lasts as long as all its
         # traffic, these included: what is left is what exceeds B's slack on the chunk that ends the backward
+        # without `layers` the root module's reduce-scatter would be dropped silently
+        assert layers is not None, "step_tail needs the layers per chunk under per-microbatch ZeRO-3"
         root = np.zeros(n_ranks)
-        if layers is not None:
-            np.add.at(root, chunk_rank, root_params(np.asarray(layers, float), layer_params, params))
+        np.add.at(root, chunk_rank, root_params(np.asarray(layers, float), layer_params, params))
         slack = np.zeros(len(params)) if slack_b is None else np.asarray(slack_b, float)
-        first = {int(r): c for c, r in reversed(list(enumerate(chunk_rank)))}  # a rank's backward ends there
-        last = np.array([slack[first[r]] if r in first else 0.0 for r in range(n_ranks)])
+        # each rank's first chunk in model order, where its backward ends, and B's slack there
+        ends_backward = {int(r): c for c, r in reversed(list(enumerate(chunk_rank)))}
+        end_slack = np.array([slack[ends_backward[r]] if r in ends_backward else 0.0 for r in range(n_ranks)])
         trailing = np.array([reduce_scatter_s(GRAD_BYTES * layer_params, d, link)
                              + reduce_scatter_s(GRAD_BYTES * x, d, link) for x in root])
-        exposed = np.maximum(trailing - last, 0.0)
+        exposed = np.maximum(trailing - end_slack, 0.0)
     exposed = np.where(d > 1, exposed, 0.0)
     gather = np.array([all_gather_s(2 * pr, d, link) for pr in p_rank]) if zero in (1, 2) else np.zeros(n_ranks)
     shard = p_rank / d if zero >= 1 else p_rank
