@@ -17,13 +17,17 @@ import tomllib
 import pytest
 
 from analysis.validation import VALIDATION_DIR, load_published, narayanan_flops, predict_all
+from sim.config import load_scenario
+from sim.cost_model import chunk_layers
 from tests.validation_guard import assert_every_scored_row_predicted, assert_mean_error_within
 
 PRODUCTION_CSV = VALIDATION_DIR / "production.csv"
 
 # Mean |relative error| per metric measured on production.csv (docs/validation.md, "Production runs"), rounded up
 # to the next whole percent (measured: memory 33.61%, time 19.67%, ratio 2.83%). A guard against unnoticed
-# regressions, not a target: issue #12's targets are not met here (docs/validation.md).
+# regressions, not a target: issue #12's targets are not met here (docs/validation.md). The time guard has little
+# headroom by design (0.33 points: a change that slows these A100 pipelines by ~0.4% trips it); when a
+# modelling change moves it, re-measure and re-round rather than loosen it in advance.
 RECORDED_MEAN_BOUND = {"memory": 0.34, "time": 0.20, "ratio": 0.03}
 
 # BLOOM's log line at iteration 85376 (train/tr11-176B-ml/README.md, "Important checkpoints"), as printed.
@@ -76,7 +80,8 @@ def test_the_set(figures):
 
 
 def test_scenarios_hold_the_printed_gpu_counts_and_batches(figures):
-    """MT-NLG: 280, 350 and 420 DGX A100 servers of 8 GPUs, TP 8 x PP 35 per replica, global batch 1920. BLOOM: 48
+    """MT-NLG: 280, 350 and 420 DGX A100 servers of 8 GPUs, TP 8 x PP 35 per replica, global batch 1920, 3 layers
+    per stage (the assumed `type:transformer` split, which pipeplan's own balancing gives: pinned here). BLOOM: 48
     nodes of 8, TP 4 x PP 12 x DP 8, MBS 2, GBS 2048."""
     for f in figures:
         if f.ratio_of is not None:
@@ -89,6 +94,7 @@ def test_scenarios_hold_the_printed_gpu_counts_and_batches(figures):
             assert (raw["parallel"]["tp"], raw["pipeline"]["stages"]) == (8, 35)
             assert batch == 1920, f.case
             assert raw["model"]["layers"] == 105 and raw["model"]["hidden"] == 20480 and raw["model"]["heads"] == 128
+            assert chunk_layers(load_scenario(VALIDATION_DIR / f.scenario, f.overrides)) == [3] * 35, f.case
         else:
             assert gpus == 384 == 48 * 8
             assert (raw["parallel"]["tp"], raw["pipeline"]["stages"], raw["parallel"]["dp"]) == (4, 12, 8)
