@@ -70,7 +70,7 @@ def test_recomputation_fills_the_time_b_waits_on_its_traffic():
 @pytest.mark.parametrize("micro_batch", [4, 5])
 def test_the_memory_milp_plans_the_recomputation_zero3_hides(micro_batch):
     """175B on 384 GPUs, memory.plan = true: B waits on its parameter traffic and the MILP recomputes layers.
-    At micro batch 4 the slack (14.9 s) hides the whole recomputation; at 5, 8.1 s of its 17.5 s. The MILP's
+    At micro batch 4 the slack (14.8 s) hides the whole recomputation; at 5, 7.9 s of its 17.5 s. The MILP's
     step must be the simulated one (it used to add the recomputation on top of B's slack: +25% at 4)."""
     from sim.step import resolve_schedule
     from solver.memory_milp import TOLERANCE, plan_memory
