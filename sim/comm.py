@@ -8,6 +8,12 @@ GPU as on DGX nodes, so the per-GPU bandwidth applies to a ring through them).
 Ring collectives over n ranks (Patarasuk & Yuan 2009; NCCL's ring algorithm, NCCL docs "Collective
 Operations"): all-reduce moves 2(n-1)/n of the buffer per rank in 2(n-1) steps; reduce-scatter and
 all-gather (n-1)/n in n-1 steps. Each step pays the link latency.
+
+Bandwidth is what NCCL sustains, not the line rate: a preset's link bandwidth is its datasheet figure times
+the device's `nvlink_efficiency` / `nic_efficiency`, the large-message nccl-tests bus bandwidth over the line
+rate (sim/devices.toml gives the sources). nccl-tests' busbw already applies the ring factors above, so the
+efficiency scales the link and the ring formulas stay as they are. A scenario's interconnect.*_gbps are taken
+as given (absolute effective figures, no efficiency applied).
 """
 
 from __future__ import annotations
@@ -40,8 +46,10 @@ class Links:
 
 def build_links(sc: Scenario, dev: dict[str, float]) -> Links:
     net = sc.interconnect
-    intra_bw = net.intra_node_gbps if net.intra_node_gbps is not None else dev["nvlink_gbps"]
-    inter_bw = net.inter_node_gbps if net.inter_node_gbps is not None else dev["nic_gbps"]
+    nvlink = dev["nvlink_gbps"] * dev.get("nvlink_efficiency", 1.0)
+    nic = dev["nic_gbps"] * dev.get("nic_efficiency", 1.0)
+    intra_bw = net.intra_node_gbps if net.intra_node_gbps is not None else nvlink
+    inter_bw = net.inter_node_gbps if net.inter_node_gbps is not None else nic
     intra_lat = net.intra_node_latency_us if net.intra_node_latency_us is not None else dev["nvlink_latency_us"]
     inter_lat = net.inter_node_latency_us if net.inter_node_latency_us is not None else dev["nic_latency_us"]
     return Links(Link(intra_bw * 1e9, intra_lat * 1e-6), Link(inter_bw * 1e9, inter_lat * 1e-6),

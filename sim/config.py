@@ -285,6 +285,10 @@ class DeviceConfig(_Section):
     dram_gbps: Pos | None = None
     nvme_gib: NonNeg | None = None
     nvme_gbps: Pos | None = None
+    nvlink_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
+    """Share of the NVLink line rate NCCL sustains (large-message nccl-tests busbw / line rate)."""
+    nic_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
+    """Share of the NIC line rate NCCL sustains between nodes (large-message busbw / line rate)."""
 
     @model_validator(mode="after")
     def _known_preset(self) -> DeviceConfig:
@@ -305,10 +309,12 @@ class InterconnectConfig(_Section):
     NICs). A group of ranks inside one node uses the intra-node figures, one spanning nodes the inter-node ones."""
 
     intra_node_gbps: Pos | None = None
-    """NVLink bandwidth per GPU and direction."""
+    """NVLink bandwidth per GPU and direction, as NCCL sustains it: taken as given (the preset's figure is
+    nvlink_gbps x nvlink_efficiency; this one gets no efficiency applied)."""
     intra_node_latency_us: NonNeg | None = None
     inter_node_gbps: Pos | None = None
-    """InfiniBand/RoCE bandwidth per GPU and direction (one NIC per GPU on DGX nodes)."""
+    """InfiniBand/RoCE bandwidth per GPU and direction (one NIC per GPU on DGX nodes), taken as given (the
+    preset's figure is nic_gbps x nic_efficiency)."""
     inter_node_latency_us: NonNeg | None = None
     p2p_gbps: Pos | None = None
     """Explicit override: bandwidth between adjacent pipeline ranks, wherever they sit."""

@@ -22,8 +22,8 @@ from sim.step import simulate_scenario
 GPT175 = {"architecture": "gpt", "layers": 96, "hidden": 12288, "heads": 96, "vocab": 51200, "seq_len": 2048}
 
 
-def gpt(model=None, training=None, parallel=None, pipeline=None, memory=None, device=None):
-    raw = {
+def _raw_gpt(model=None, training=None, parallel=None, pipeline=None, memory=None, device=None) -> dict:
+    return {
         "pipeline": {"stages": 8, "microbatches": 8, **(pipeline or {})},
         "model": {**GPT175, **(model or {})},
         "training": {"attention": "eager", "dropout": 0.1, **(training or {})},
@@ -31,7 +31,10 @@ def gpt(model=None, training=None, parallel=None, pipeline=None, memory=None, de
         "device": {"preset": "A100-80GB", **(device or {})},
         "memory": memory or {},
     }
-    return parse_scenario(raw)
+
+
+def gpt(model=None, training=None, parallel=None, pipeline=None, memory=None, device=None):
+    return parse_scenario(_raw_gpt(model, training, parallel, pipeline, memory, device))
 
 
 SBH = 2048 * 1 * 12288
@@ -182,6 +185,33 @@ def test_links_follow_placement():
     small_links = build_links(small, small.device.resolved())
     assert p2p_link(small, small_links).bytes_per_s == 300e9  # 2 x 2 x 2 = 8 ranks: one A100 node
     assert dp_link(small, small_links).bytes_per_s == 300e9
+
+
+def test_link_efficiency_scales_collective_times():
+    """A collective's bandwidth term divides by datasheet x efficiency (nccl-tests busbw / line rate, already
+    ring-corrected), its latency term does not; efficiency 1.0 gives the datasheet time; a scenario's
+    interconnect.*_gbps is taken as given, with no efficiency applied."""
+    n, nbytes = 8, 1e9
+    full = gpt(device={"nvlink_efficiency": 1.0, "nic_efficiency": 1.0})
+    half = gpt(device={"nvlink_efficiency": 0.5, "nic_efficiency": 0.25})
+    lf, lh = build_links(full, full.device.resolved()), build_links(half, half.device.resolved())
+    assert lf.intra.bytes_per_s == 300e9 and lf.inter.bytes_per_s == 25e9
+    assert lh.intra.bytes_per_s == 150e9 and lh.inter.bytes_per_s == 6.25e9
+    assert lh.intra.latency_s == lf.intra.latency_s == pytest.approx(5e-6)
+    for op, steps, share in ((all_reduce_s, 2 * (n - 1), 2 * (n - 1) / n), (all_gather_s, n - 1, (n - 1) / n)):
+        assert op(nbytes, n, lf.intra) == pytest.approx(steps * 5e-6 + share * nbytes / 300e9)
+        assert op(nbytes, n, lh.intra) == pytest.approx(steps * 5e-6 + share * nbytes / 150e9)
+        assert op(nbytes, n, lh.inter) - steps * 10e-6 == pytest.approx(4 * (op(nbytes, n, lf.inter) - steps * 10e-6))
+    given = parse_scenario({**_raw_gpt(device={"nvlink_efficiency": 0.5, "nic_efficiency": 0.25}),
+                            "interconnect": {"intra_node_gbps": 300.0, "inter_node_gbps": 25.0}})
+    lg = build_links(given, given.device.resolved())
+    assert lg.intra.bytes_per_s == 300e9 and lg.inter.bytes_per_s == 25e9
+
+
+def test_link_efficiency_must_be_a_share():
+    for bad in (0.0, 1.5):
+        with pytest.raises(ScenarioError, match=r"device\.nvlink_efficiency"):
+            gpt(device={"nvlink_efficiency": bad})
 
 
 @pytest.mark.parametrize("sp,style", [(True, "megatron"), (False, "megatron"), (False, "dtensor")])
