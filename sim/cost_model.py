@@ -19,7 +19,7 @@ from sim.activations import DTYPE_BYTES, boundary_bytes, layer_memory, logits_by
 from sim.chunk_detail import ChunkDetail
 from sim.comm import Links, all_gather_s, build_links, p2p_link, tp_link
 from sim.config import Scenario
-from sim.data_parallel import StepTail, effective_zero, step_tail, zero3_pass_comm_s
+from sim.data_parallel import StepTail, effective_zero, root_params, step_tail, zero3_pass_comm_s
 from sim.layer_ops import HeadTimes, LayerTimes, head_times, layer_flops, layer_times, op_checkpoint_bytes
 from sim.layer_split import layers_per_chunk
 from sim.overheads import loss_transient_bytes, runtime_bytes
@@ -275,13 +275,15 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     stash[-1] += head_in + logits_bytes(sc)
     states = {k: params * per for k, per in state_bytes_per_param(sc).items()}
     n_ranks = sc.pipeline.stages
+    root = root_params(counts, lc.params, params)  # embedding, final norm, LM head per chunk
     if effective_zero(sc) == 3 and sc.parallel.dp > 1 and n_ranks > 1 and tr.float8_linears:
         # the kept unsharded embedding and LM head are not Float8 (torchtitan's float8.py skips `output` and
         # embeddings): the training dtype, where state_bytes_per_param counts 1 byte for every parameter
-        states["weights"] = states["weights"] + (e - 1) * (params - counts * lc.params)
-    root = float(np.sum(params - counts * lc.params))  # without a pipeline (the only case it is read) one rank
+        states["weights"] = states["weights"] + (e - 1) * root
     lm_head = m.vocab * m.hidden / sc.parallel.tp  # tied or not, B's first op writes this weight's gradient
-    states["runtime"] = np.full(chunks, runtime_bytes(sc, dev, lc.params, root, lm_head) / sc.pipeline.virtual_stages)
+    # the root module's sum over chunks: only read without a pipeline, where one rank holds them all
+    runtime = runtime_bytes(sc, dev, lc.params, float(root.sum()), lm_head)
+    states["runtime"] = np.full(chunks, runtime / sc.pipeline.virtual_stages)
     states["p2p_buffers"] = buffers.static_bytes
     transient = np.zeros(chunks)
     transient[-1] = loss_transient_bytes(sc)

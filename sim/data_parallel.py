@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sim.activations import DTYPE_BYTES
 from sim.comm import Links, all_gather_s, all_reduce_s, dp_link, reduce_scatter_s
 from sim.config import Scenario
 from sim.roofline import DeviceSpec
@@ -92,8 +93,6 @@ def zero3_gather_bytes(sc: Scenario) -> float:
     """Bytes per decoder-layer parameter a ZeRO-3 all-gather moves: the training dtype, or 1 for Float8 linears
     (torchtitan's enable_fsdp_float8_all_gather; as sim.cost_model.state_bytes_per_param counts the gathered
     weights). The embedding and LM head gather in the training dtype (zero3_pass_comm_s)."""
-    from sim.activations import DTYPE_BYTES
-
     return 1.0 if sc.training.float8_linears else float(DTYPE_BYTES[sc.training.dtype])
 
 
@@ -112,8 +111,6 @@ def zero3_pass_comm_s(sc: Scenario, links: Links, layers: np.ndarray, layer_para
     responsible for the unshard"). The chunk's other parameters (embedding, final norm, LM head: torchtitan's
     root module, which FSDP2 does not reshard after forward) are gathered once, in F, and reduce-scattered
     in B."""
-    from sim.activations import DTYPE_BYTES
-
     n = len(layers)
     if not zero3_per_microbatch(sc):
         return np.zeros(n), np.zeros(n)
