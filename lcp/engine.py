@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from lcp import results
 from lcp.limits import check_results
 from lcp.ranking import LCPTopK
 from lcp.tokens import check_lengths
@@ -104,6 +105,36 @@ def group_heads(first_words: np.ndarray, ids: np.ndarray, group_bits: int) -> np
     keep = (rank < HEADS) & (size <= HEAD_SPAN)
     heads = np.zeros((count, HEADS), np.uint8)
     heads[group[by_id][keep], rank[keep]] = (by_id - first[group[by_id]])[keep]
+    return heads
+
+
+WIDE = 1024  # smallest ids kept per first token (lcp/kernel.py's CAP: the merge's and these answer k <= WIDE)
+# built when the rows sharing a first token number this many on average (byte tokens: N >= 2^22, 4.2M rows;
+# WIDE int32 ids a group is then at most 0.25 bytes per row) and when they fit ROW_BUDGET
+WIDE_MIN_ROWS = 16 * WIDE
+ROW_BUDGET = 16  # bytes per row an index holds beyond its packed rows: the 1.5x-raw bound at L = 32 bytes
+
+
+def wide_heads(first_words: np.ndarray, ids: np.ndarray, bits: int, budget: int) -> np.ndarray:
+    """heads [2^bits, WIDE] (ids' dtype): for each first token (the top `bits` bits of the first word, as
+    group_heads groups them), the WIDE smallest ids of the rows that start with it, ascending, -1 past a
+    smaller group — so that a query whose tie range is S_1 (d* = 1: k = 17 … 1024 at N = 5M byte rows)
+    copies its smallest ids instead of merging them out of the tree (~30 µs per range at k = 1000).
+    (0, WIDE) when the groups average fewer than WIDE_MIN_ROWS rows (the tree is cheap there, or the
+    heads would cost too many bytes per row) or the heads would take more than `budget` bytes (what
+    ROW_BUDGET leaves: 0.251 bytes per row at N = 2^22, where they take 0.25). One partition and sort per
+    group: O(N) in all."""
+    n, count = len(first_words), 1 << bits
+    if bits <= 0 or n < WIDE_MIN_ROWS * count or count * WIDE * ids.itemsize > budget:
+        return np.zeros((0, WIDE), ids.dtype)
+    group = (first_words >> (64 - bits)) + (1 << (bits - 1))  # (N,) non-decreasing
+    first = np.searchsorted(group, np.arange(count + 1))  # (G + 1,) each group's first row
+    heads = np.full((count, WIDE), -1, ids.dtype)
+    for g in range(count):
+        part = ids[first[g] : first[g + 1]]
+        if len(part) > WIDE:
+            part = np.partition(part, WIDE - 1)[:WIDE]
+        heads[g, : len(part)] = np.sort(part)
     return heads
 
 
@@ -183,10 +214,16 @@ class CPUEngine:
         self.table_tokens = table_tokens(index.n, index.fmt.bits, self.has_lengths)
         self.group_bits = self.table_tokens * index.fmt.bits
         self.heads = group_heads(self.cols[0], self.ids, self.group_bits)
+        self.wide_bits = index.fmt.bits if self.table_tokens > 0 else 0  # one token, within the table's depth
+        # bytes beyond the packed rows so far: ids, adjacent LCPs, lengths, tree (index.nbytes while the engine
+        # is being built), bucket table, group heads
+        held = index.nbytes - index.cols.numel() * index.cols.element_size() + self.nbytes
+        self.wide = wide_heads(self.cols[0], self.ids, self.wide_bits, ROW_BUDGET * index.n - held)
 
     @property
     def nbytes(self) -> int:
-        return self.starts.numel() * self.starts.element_size() + self.heads.nbytes
+        wide = self.wide.nbytes if hasattr(self, "wide") else 0  # (not yet built: its budget is being measured)
+        return self.starts.numel() * self.starts.element_size() + self.heads.nbytes + wide
 
     def topk(
         self, queries: torch.Tensor, k: int, query_lengths: object, single: bool, direct_cap: int | None,
@@ -207,8 +244,8 @@ class CPUEngine:
         fmt, kern = self.fmt, self.kernel
         qw, qlen = kern.pack_queries(q, qlen, fmt.length, fmt.bits, fmt.lo, fmt.hi, fmt.words)
         if out is None:
-            lcps = np.empty((b, k), dtype=np.int64)  # the kernel writes every entry
-            ids = np.empty((b, k), dtype=np.int64)
+            lcps = results.empty((b, k), np.int64)  # the kernel writes every entry; recycled memory
+            ids = results.empty((b, k), np.int64)
         else:  # the caller's tensors (contiguous int64 of the answer's shape): numpy views of them
             lcps, ids = out.lcps.numpy().reshape(b, k), out.ids.numpy().reshape(b, k)
         lev1, lev2, lev3, lev4 = self.offset_levels
@@ -217,7 +254,8 @@ class CPUEngine:
             fmt.per_word, fmt.bits, self.starts.numpy(), 64 - self.bits, 1 << (self.bits - 1),
             lev1, lev2, lev3, lev4, self.id_rows, self.id_starts, -1 if direct_cap is None else direct_cap,
             self.table_tokens, self.heads, 64 - self.group_bits,
-            1 << max(self.group_bits - 1, 0), qw, qlen, visiting_order(qw[:, 0]), k, lcps, ids,
+            1 << max(self.group_bits - 1, 0), self.wide, 64 - self.wide_bits, 1 << max(self.wide_bits - 1, 0),
+            qw, qlen, visiting_order(qw[:, 0]), k, lcps, ids,
         )  # fmt: skip
         if out is not None:
             return out

@@ -1,4 +1,4 @@
-"""A branch-free sort of at most 32 int32 values for the compiled kernel (lcp/kernel.py).
+"""A branch-free sort of at most 128 int32 values for the compiled kernel (lcp/kernel.py).
 
 The kernel's commonest selection at N = 1M, k = 10 is the 10 smallest ids of a group of ~15 rows (the
 rows sharing the query's first two bytes). An insertion sort of 15 random ids mispredicts a branch on
@@ -7,7 +7,9 @@ rank-counting sort in plain numba is not vectorised (0.22–0.38 µs). A bitonic
 LLVM vector of 16 or 32 int32 lanes has no data-dependent branch at all: log2(n)·(log2(n) + 1)/2 stages
 (10 for 16 lanes, 15 for 32), each a lane permutation, a min, a max and a blend, which LLVM lowers to
 AVX2 registers (0.06 µs per set, same benchmark). Numba has no SIMD intrinsics, so the network is
-emitted as LLVM IR through `numba.extending.intrinsic`.
+emitted as LLVM IR through `numba.extending.intrinsic`. 64 and 128 lanes (21 and 28 stages, in 8 and 16
+AVX2 registers) sort the ~76 ids of S_2 that k = 100 and 1000 queries at N = 5M read (lcp/kernel.py,
+`_sort_ids`), where an LSD radix sort took ~1.4 µs per query.
 """
 
 from __future__ import annotations
@@ -63,3 +65,15 @@ def sort16(typingctx, arr):
 def sort32(typingctx, arr):
     """Sort arr[:32] ascending in place; arr: contiguous int32 [>= 32] (not checked: the caller sizes it)."""
     return (types.void(arr), _bitonic_codegen(32)) if _typed(arr) else None
+
+
+@intrinsic
+def sort64(typingctx, arr):
+    """Sort arr[:64] ascending in place; arr: contiguous int32 [>= 64] (not checked: the caller sizes it)."""
+    return (types.void(arr), _bitonic_codegen(64)) if _typed(arr) else None
+
+
+@intrinsic
+def sort128(typingctx, arr):
+    """Sort arr[:128] ascending in place; arr: contiguous int32 [>= 128] (not checked: the caller sizes it)."""
+    return (types.void(arr), _bitonic_codegen(128)) if _typed(arr) else None

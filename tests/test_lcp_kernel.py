@@ -260,6 +260,74 @@ def test_ties_from_the_group_heads():
         assert torch.equal(a.ids, b.ids) and torch.equal(a.lcps, b.lcps), k
 
 
+def test_wide_heads_are_each_first_tokens_smallest_ids():
+    """engine.wide_heads against a sort of each first token's ids: groups of 0, 1, 5, WIDE − 1, WIDE,
+    WIDE + 1 and ~3,000 rows; -1 past a smaller group; the ids' dtype; not built below WIDE_MIN_ROWS rows a
+    group on average, and at that edge at most a quarter byte per row (int32 ids)."""
+    from lcp import kernel as module
+    from lcp.engine import WIDE, WIDE_MIN_ROWS, wide_heads
+
+    room = 1 << 40  # bytes: no budget limit
+
+    assert WIDE == module.CAP  # the kernel reads them where the tree's merge would answer k <= CAP
+    g = np.random.default_rng(7)
+    sizes = np.concatenate([[0, 1, 5, WIDE - 1, WIDE, WIDE + 1], g.integers(2_000, 4_000, 250)])
+    group = np.repeat(np.arange(256), sizes)
+    first_words = ((group - 128) << 56) | g.integers(0, 1 << 56, len(group))
+    first_words.sort()
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    for dtype in (np.int32, np.int64):
+        ids = g.permutation(len(group)).astype(dtype)
+        heads = wide_heads(first_words, ids, 8, room)
+        assert heads.shape == (0, WIDE)  # ~2,900 rows a group: below WIDE_MIN_ROWS
+        heads = wide_heads(np.repeat(first_words, 6), np.repeat(ids, 6), 8, room)  # each id 6 times: ~17k a group
+        assert heads.shape == (256, WIDE) and heads.dtype == dtype
+        for b in range(256):
+            want = np.sort(np.repeat(ids[starts[b] : starts[b + 1]], 6))[:WIDE]
+            assert np.array_equal(heads[b, : len(want)], want), b
+            assert (heads[b, len(want) :] == -1).all(), b
+    edge = np.sort(g.integers(-(2**63), 2**63 - 1, WIDE_MIN_ROWS * 256))
+    ids = np.arange(len(edge), dtype=np.int32)
+    assert 0 < wide_heads(edge, ids, 8, room).nbytes <= len(edge) / 4
+    assert wide_heads(edge[1:], ids[1:], 8, room).shape == (0, WIDE)
+    assert wide_heads(edge, ids, 8, 256 * WIDE * 4).shape == (256, WIDE)  # exactly the budget
+    assert wide_heads(edge, ids, 8, 256 * WIDE * 4 - 1).shape == (0, WIDE)
+
+
+def test_ties_from_the_wide_heads(monkeypatch):
+    """N = 20,000 byte rows with the wide heads built (WIDE_MIN_ROWS and ROW_BUDGET relaxed) and every tie range
+    above d* = 0 sent past the direct read (direct_cap = 0): each k whose d* is 1 copies S_1's smallest
+    ids from the heads, less S_2's, which are sorted by the 16- to 128-lane networks (groups of 12, 40, 100
+    and 128 rows sharing two bytes) or the radix sort (200). Against brute force and the same index with
+    the heads removed (the tree's merge)."""
+    from lcp import engine
+    from lcp.engine import WIDE
+
+    monkeypatch.setattr(engine, "WIDE_MIN_ROWS", 1)
+    monkeypatch.setattr(engine, "ROW_BUDGET", 100)  # 1 MiB of heads over 20,000 rows: 52 bytes a row
+    g = torch.Generator().manual_seed(13)
+    rows = torch.randint(0, 256, (20_000, 32), dtype=torch.uint8, generator=g)
+    at = 0
+    for first, size in ((3, 12), (4, 40), (5, 100), (6, 128), (9, 200)):
+        rows[at : at + size, :2] = torch.tensor([first, 77], dtype=torch.uint8)
+        at += size
+    queries = torch.cat([rows[torch.randint(0, 20_000, (150,), generator=g)],
+                         torch.randint(0, 256, (50, 32), dtype=torch.uint8, generator=g)])  # fmt: skip
+    queries[:50, :2] = torch.tensor([3, 4, 5, 6, 9] * 10, dtype=torch.uint8)[:, None].expand(50, 2)
+    queries[:50, 1] = 77
+    queries[60:150, 1:] = torch.randint(0, 256, (90, 31), dtype=torch.uint8, generator=g)  # d* = 1 mostly
+    index = build(rows, engine="numba")
+    assert index._engine.wide.shape == (256, WIDE)
+    index.direct_cap = 0
+    plain = build(rows, engine="numba")
+    plain._engine.wide = plain._engine.wide[:0]
+    plain.direct_cap = 0
+    for k in (17, 60, 129, 150, 250, 400, WIDE):
+        assert_exact(index, rows, queries, k)
+        a, b = index.topk(queries, k), plain.topk(queries, k)
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.lcps, b.lcps), k
+
+
 def test_visiting_order():
     """engine.visiting_order: a permutation of the batch, non-decreasing in the first word's high bits."""
     from lcp.engine import visiting_order
@@ -294,15 +362,15 @@ def test_sort_and_selection(m):
             assert np.array_equal(a[:count], np.sort(values)[:count])
 
 
-@pytest.mark.parametrize("lanes", [16, 32])
+@pytest.mark.parametrize("lanes", [16, 32, 64, 128])
 def test_sorting_network(lanes):
     """lcp/sortnet.py's bitonic networks against numpy's sort: random int32 over the whole range, the
     extremes, duplicates, sorted, reversed and padded sets (what the kernel passes: ids, then INT32_MAX)."""
     import numba
 
-    from lcp.sortnet import INT32_MAX, sort16, sort32
+    from lcp.sortnet import INT32_MAX, sort16, sort32, sort64, sort128
 
-    net = sort16 if lanes == 16 else sort32
+    net = {16: sort16, 32: sort32, 64: sort64, 128: sort128}[lanes]
 
     @numba.njit
     def run(a):
