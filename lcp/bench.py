@@ -79,7 +79,7 @@ class BenchConfig:
     pairwise_budget_bytes: int | None = None  # None: half the available memory (90% free on CUDA)
     device: str = "cpu"
     seed: int = 0
-    reuse_out: bool = False  # the index writes into its previous result (topk's out=): no fresh pages per call
+    reuse_out: bool = False  # the index writes into its previous result (topk's out=), not recycled memory
     notes: list[str] = field(default_factory=list, compare=False)  # refusals and skips, filled by run
 
     def __post_init__(self) -> None:
