@@ -363,17 +363,13 @@ def _sort(a, m, tmp, counts):
             a[i] = tmp[i]
 
 
-@_loop
-def _sort_ids(a, m, tmp, counts, net, narrow):
-    """_sort for ids: 9 to WIDE_NET int32 ids (`narrow`: N < 2^31) padded to 16, 32, 64 or 128 lanes and
-    sorted by a bitonic network (no branch on the ids; the ~76 ids of S_2 that every k = 100 or 1000
-    query at N = 5M sorts: 1.0 against 2.1 µs per k = 100 query), else _sort."""
-    if not narrow or m > WIDE_NET or m <= 8:
-        _sort(a, m, tmp, counts)
-        return
+@_inline
+def _network(net, m):
+    """Sort net[:m] (int32, m <= WIDE_NET) by the smallest bitonic network that holds it (16, 32, 64 or
+    128 lanes), the lanes past m padded with INT32_MAX."""
     lanes = 16 if m <= 16 else (32 if m <= 32 else (64 if m <= 64 else WIDE_NET))
-    for t in range(lanes):
-        net[t] = a[t] if t < m else INT32_MAX
+    for t in range(m, lanes):
+        net[t] = INT32_MAX
     if lanes == 16:
         sort16(net)
     elif lanes == 32:
@@ -382,6 +378,19 @@ def _sort_ids(a, m, tmp, counts, net, narrow):
         sort64(net)
     else:
         sort128(net)
+
+
+@_loop
+def _sort_ids(a, m, tmp, counts, net, narrow):
+    """_sort for ids: 9 to WIDE_NET int32 ids (`narrow`: N < 2^31) padded to 16, 32, 64 or 128 lanes and
+    sorted by a bitonic network (no branch on the ids; the ~76 ids of S_2 that every k = 100 or 1000
+    query at N = 5M sorts: 1.0 against 2.1 µs per k = 100 query), else _sort."""
+    if not narrow or m > WIDE_NET or m <= 8:
+        _sort(a, m, tmp, counts)
+        return
+    for t in range(m):
+        net[t] = a[t]
+    _network(net, m)
     for t in range(m):
         a[t] = net[t]
 
@@ -539,13 +548,9 @@ def _direct_smallest(ids, lo, hi, count, out, buf, tmp, counts, net):
     into buf and selected (_select): buf and tmp hold at least hi - lo values (the caller sees to it)."""
     m = hi - lo
     if m <= NET and ids.itemsize == 4:
-        lanes = 16 if m <= 16 else 32
-        for t in range(lanes):
-            net[t] = ids[lo + t] if t < m else INT32_MAX
-        if lanes == 16:
-            sort16(net)
-        else:
-            sort32(net)
+        for t in range(m):
+            net[t] = ids[lo + t]
+        _network(net, m)
         for t in range(count):
             out[t] = net[t]
         return

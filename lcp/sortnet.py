@@ -55,25 +55,16 @@ def _typed(arr: types.Type) -> bool:
     return isinstance(arr, types.Array) and arr.dtype == types.int32 and arr.ndim == 1 and arr.layout == "C"
 
 
-@intrinsic
-def sort16(typingctx, arr):
-    """Sort arr[:16] ascending in place; arr: contiguous int32 [>= 16] (not checked: the caller sizes it)."""
-    return (types.void(arr), _bitonic_codegen(16)) if _typed(arr) else None
+def _sorter(lanes: int):
+    """An intrinsic sorting arr[:lanes] ascending in place; arr: contiguous int32 [>= lanes] (not checked:
+    the caller sizes it)."""
+
+    @intrinsic
+    def sort(typingctx, arr):
+        return (types.void(arr), _bitonic_codegen(lanes)) if _typed(arr) else None
+
+    sort.__doc__ = f"Sort arr[:{lanes}] ascending in place; arr: contiguous int32 [>= {lanes}] (not checked)."
+    return sort
 
 
-@intrinsic
-def sort32(typingctx, arr):
-    """Sort arr[:32] ascending in place; arr: contiguous int32 [>= 32] (not checked: the caller sizes it)."""
-    return (types.void(arr), _bitonic_codegen(32)) if _typed(arr) else None
-
-
-@intrinsic
-def sort64(typingctx, arr):
-    """Sort arr[:64] ascending in place; arr: contiguous int32 [>= 64] (not checked: the caller sizes it)."""
-    return (types.void(arr), _bitonic_codegen(64)) if _typed(arr) else None
-
-
-@intrinsic
-def sort128(typingctx, arr):
-    """Sort arr[:128] ascending in place; arr: contiguous int32 [>= 128] (not checked: the caller sizes it)."""
-    return (types.void(arr), _bitonic_codegen(128)) if _typed(arr) else None
+sort16, sort32, sort64, sort128 = (_sorter(lanes) for lanes in (16, 32, 64, 128))
