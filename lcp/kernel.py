@@ -23,17 +23,19 @@ read neighbouring rows and often share their ranges.
    goes on while the LCP stays >= d* (at most WALK rows per side), and the range's ends are
    binary-searched on the rows cut to d* tokens. d* = 0 needs no range: S_0 is every row.
 4. *Ranking.* Rows deeper than d* + 1 (few) are sorted by the key (L − lcp) << id_bits | id; the rows at
-   d* + 1 are every id of S_{d*+1} ascending (read and radix-sorted once per run of queries sharing it),
-   less the deeper ones; the rows at d* are the k smallest ids of S_{d*} less those of S_{d*+1} (a merge
-   of two ascending lists). The k smallest ids of S_{d*}: 0, 1, 2, … for d* = 0; for a range of at most
-   NET int32 ids, a bitonic sorting network (lcp/sortnet.py); for one of at most `direct_cap` rows
-   (default max(8k, 512)) a byte histogram that keeps those below the k-th and a radix
-   sort — except where d* is the table's depth, k <= 16 and the group S_{d*} has its heads
-   (lcp/engine.py, `group_heads`: its 16 smallest ids as offsets, built when groups hold 64-256 rows
-   on average): then k gathers; for a wider one (k <= CAP) a k-way merge over the truncated merge-sort
-   tree of lcp/smallest.py (two partial blocks, at most two nodes per level, each sorted by id, read
-   only as far as needed); computed once per run of queries sharing the range (one cache for each of
-   the two ways, since the queries whose d* is shallower than their neighbours' recur between them).
+   d* + 1 are every id of S_{d*+1} ascending (read and sorted once per run of queries sharing it: a
+   bitonic network up to WIDE_NET int32 ids, else radix), less the deeper ones; the rows at d* are the
+   k smallest ids of S_{d*} less those of S_{d*+1} (a merge of two ascending lists). The k smallest ids
+   of S_{d*}: 0, 1, 2, … for d* = 0; for a range of at most NET int32 ids, a bitonic sorting network
+   (lcp/sortnet.py); for one of at most `direct_cap` rows (default max(8k, 512)) a byte histogram that
+   keeps those below the k-th and a radix sort — except where d* is the table's depth, k <= 16 and the
+   group S_{d*} has its heads (lcp/engine.py, `group_heads`: its 16 smallest ids as offsets, built when
+   groups hold 64-256 rows on average): then k gathers; for a wider one (k <= CAP), where d* = 1 and
+   the first token's wide heads exist (lcp/engine.py, `wide_heads`: its CAP smallest ids), a copy of
+   them; else a k-way merge over the truncated merge-sort tree of lcp/smallest.py (two partial blocks,
+   at most two nodes per level, each sorted by id, read only as far as needed); computed once per run
+   of queries sharing the range (one cache for each of the two ways, since the queries whose d* is
+   shallower than their neighbours' recur between them).
 
 Everything is int64 arithmetic on numpy views of the index's tensors; the loop runs on the calling
 thread, so the kernel uses one core whatever torch's thread count is. The loop and everything it calls
