@@ -215,6 +215,7 @@ class CPUEngine:
         self.group_bits = self.table_tokens * index.fmt.bits
         self.heads = group_heads(self.cols[0], self.ids, self.group_bits)
         self.wide_bits = index.fmt.bits if self.table_tokens > 0 else 0  # one token, within the table's depth
+        self.wide = np.zeros((0, WIDE), self.ids.dtype)  # none yet: what the rest holds sets their budget
         # bytes beyond the packed rows so far: ids, adjacent LCPs, lengths, tree (index.nbytes while the engine
         # is being built), bucket table, group heads
         held = index.nbytes - index.cols.numel() * index.cols.element_size() + self.nbytes
@@ -222,8 +223,7 @@ class CPUEngine:
 
     @property
     def nbytes(self) -> int:
-        wide = self.wide.nbytes if hasattr(self, "wide") else 0  # (not yet built: its budget is being measured)
-        return self.starts.numel() * self.starts.element_size() + self.heads.nbytes + wide
+        return self.starts.numel() * self.starts.element_size() + self.heads.nbytes + self.wide.nbytes
 
     def topk(
         self, queries: torch.Tensor, k: int, query_lengths: object, single: bool, direct_cap: int | None,

@@ -226,9 +226,9 @@ class LCPIndex:
 
         out: where to write the answer instead of fresh tensors (torch.topk's out=, stricter): an
         LCPTopK of int64 tensors of exactly the result's shape on the index's device, e.g. the result of
-        a previous call of the same shape, which is then overwritten and returned. (The numba CPU kernel
-        recycles freed result memory itself, lcp/results.py, so this mainly makes the buffers the
-        caller's); the torch engine builds its answer as before and copies it in. Anything else —
+        a previous call of the same shape, which is then overwritten and returned. The numba CPU kernel
+        recycles freed result memory itself (lcp/results.py), so this mainly makes the buffers the
+        caller's; the torch engine builds its answer as before and copies it in. Anything else —
         a bare tuple, another shape or dtype, tensors sharing memory with each other, the queries or
         the index — is an LCPError before anything is written.
         """
