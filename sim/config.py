@@ -56,6 +56,11 @@ class PipelineConfig(_Section):
     after I: the W stash), its pending W runs before new forwards; default virtual_stages * (stages + 1). Set
     to admission_cap, the stash counts against the same cap; 0 keeps no stash at all: the backward is not
     split (B instead of I + W)."""
+    order_timing: Literal["unit", "costs"] = "unit"
+    """chronos only: the clock its list scheduler builds the order on. "unit": T_F = T_I = T_W = 1, T_B = 2 and
+    nothing on the wire, one order for any costs. "costs": this scenario's cost table (each chunk's F, I and W
+    times and the P2P hop), so each greedy choice is made at the moment the step will really reach it; the
+    default cap is then chosen on that clock too (docs/schedules.md)."""
     p2p_buffers: Literal["per-exchange", "per-microbatch"] = "per-exchange"
     """What a rank's sends and receives hold. "per-exchange": a buffer allocated for each message and freed
     with the tensor it becomes, a sent output freed after its send (Megatron-LM's p2p_communication.py and

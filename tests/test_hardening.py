@@ -286,6 +286,21 @@ def test_a_stash_limit_on_1f1b_is_named_as_such(tmp_path, capsys):
     assert "pipeline.stash_limit: schedule '1f1b' has no W stash limit" in line
 
 
+def test_order_timing_is_refused_where_no_order_is_generated_for_it(tmp_path, capsys):
+    """pipeline.order_timing = "costs" times chronos' list scheduler: a fixed order (1f1b) or a given one
+    (--schedule-csv) has nothing to time; one line each, exit 2."""
+    from sim.config import load_scenario
+    from sim.step import resolve_schedule
+
+    line = refused(["simulate", UNIT, "--set", "pipeline.order_timing=costs", "--out", str(tmp_path / "o")], capsys)
+    assert "pipeline.order_timing: schedule '1f1b' has no cost-timed order" in line
+    csv = tmp_path / "order.csv"
+    resolve_schedule(load_scenario(UNIT)).write_csv(csv)
+    line = refused(["simulate", UNIT, "--schedule-csv", str(csv), "--set", "pipeline.order_timing=costs", "--out",
+                    str(tmp_path / "o")], capsys)
+    assert "pipeline.order_timing: times a generated schedule, not --schedule-csv's given order" in line
+
+
 def test_a_bool_for_offload_weights_names_the_list_form(tmp_path, capsys):
     line = refused(["simulate", EIGHT_B, "--set", "memory.offload_weights=true", "--out", str(tmp_path / "o")],
                    capsys)

@@ -20,6 +20,9 @@ TINY = {"model.hidden": 32, "model.layers": 4, "model.ffn_hidden": 64, "model.se
         "pipeline.stages": RANKS, "pipeline.microbatches": MICROBATCHES}
 
 
+TIMED = {"pipeline.order_timing": "costs", "pipeline.admission_cap": 4}  # where the two clocks differ
+
+
 def runnable_schedules() -> list[tuple[str, int]]:
     """Every registered schedule, with the smallest virtual_stages it accepts at this size."""
     out = []
@@ -34,8 +37,9 @@ def runnable_schedules() -> list[tuple[str, int]]:
     return out
 
 
-def config(name: str, v: int, dtype: str = "fp32", **kwargs) -> RunConfig:
-    over = {**TINY, "pipeline.schedule": name, "pipeline.virtual_stages": v, "training.dtype": dtype}
+def config(name: str, v: int, dtype: str = "fp32", overrides: dict | None = None, **kwargs) -> RunConfig:
+    over = {**TINY, "pipeline.schedule": name, "pipeline.virtual_stages": v, "training.dtype": dtype,
+            **(overrides or {})}
     return RunConfig(overrides=over, data="synthetic", timeout_s=60, **{"steps": STEPS, **kwargs})
 
 
@@ -78,6 +82,9 @@ def _job(rank: int, world: int, ckpt_dir: str) -> dict:
                 opt.step()
                 opt.zero_grad()
             out["torch"][(name, how)] = per_step
+
+    # chronos' order built on the step's costs (pipeline.order_timing): the runtime resolves the same order
+    out["timed"] = Trainer(config("chronos", 2, overrides=TIMED), rank, world, cpu).train()
 
     # checkpoint/resume, with freezing on (its draws and RNG are part of the state) and split backward
     frz = {"freeze": "uniform", "freeze_cap": 0.5, "freeze_warmup": 0, "freeze_monitor": 2, "freeze_ramp": 1,
@@ -147,6 +154,19 @@ def test_torch_pipelining_gives_the_same_losses(name, results, reference):
     for how in hows:
         got = [a or b for a, b in zip(*(r["torch"][(name, how)] for r in results), strict=True)]
         np.testing.assert_allclose(got, reference[name], rtol=1e-6, atol=0, err_msg=how)
+
+
+def test_chronos_timed_on_the_step_s_costs_runs_its_own_order_to_the_same_losses(results, reference):
+    """pipeline.order_timing = "costs" reaches the runtime through the scenario: each rank executes the order
+    the list scheduler built on this tiny model's cost table (not the unit-cost one), and training is unchanged."""
+    from runtime.train import load_run_scenario
+
+    sched = load_run_scenario(config("chronos", 2, overrides=TIMED))[1]
+    assert sched.ranks != build_schedule("chronos", RANKS, MICROBATCHES, 2, admission_cap=4).ranks
+    for rank, r in enumerate(results):
+        for record in r["timed"]:
+            assert [a for a, _, _ in record.trace.actions] == list(sched.ranks[rank])
+    np.testing.assert_allclose(losses_by_step([r["timed"] for r in results]), reference["chronos"], rtol=1e-6, atol=0)
 
 
 def test_resumed_run_reproduces_the_uninterrupted_losses_exactly(results):

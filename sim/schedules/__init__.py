@@ -9,9 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sim.errors import ScheduleError
 from sim.ir import Schedule
+
+if TYPE_CHECKING:
+    from sim.schedules.v_shape import ActionTimes
 
 ScheduleBuilder = Callable[[int, int, int], Schedule]
 SizeCheck = Callable[[int, int, int], str | None]  # returns why (p, m, v) is not allowed, or None
@@ -25,7 +29,7 @@ class ScheduleSpec:
     summary: str
     virtual_stages: int = 1  # the v it is usually run with (sweeps, tests)
     sweep: bool = False  # one of the schedules `pipeplan plan --sweep-cap` compares
-    takes_cap: bool = False  # its builder takes an activation admission cap (pipeline.admission_cap)
+    takes_cap: bool = False  # its builder takes an admission cap, a stash limit and a list clock (pipeline.*)
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {}
@@ -61,10 +65,11 @@ def exact_virtual_stages(v: int, want: int) -> str | None:
 
 
 def build_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int = 1,
-                   admission_cap: int | None = None, stash_limit: int | None = None) -> Schedule:
+                   admission_cap: int | None = None, stash_limit: int | None = None,
+                   times: ActionTimes | None = None) -> Schedule:
     """Generate schedule `name`; sizes it cannot take are a ScheduleError naming the field and the rule.
-    `admission_cap` and `stash_limit` go to schedules registered with takes_cap (their activation cap and
-    when a pending W runs first, in chunk-activations)."""
+    `admission_cap`, `stash_limit` and `times` go to schedules registered with takes_cap (their activation cap
+    and when a pending W runs first, in chunk-activations, and the clock their list scheduler runs on)."""
     _import_builtin()
     if name not in SCHEDULES:
         raise ScheduleError(f"pipeline.schedule: unknown schedule {name!r}; allowed: {', '.join(SCHEDULES)}")
@@ -74,15 +79,17 @@ def build_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int
     why = spec.check(ranks, microbatches, virtual_stages)
     if why:
         raise ScheduleError(f"pipeline: schedule {name!r} {why}")
-    if admission_cap is None and stash_limit is None:
+    if admission_cap is None and stash_limit is None and times is None:
         return spec.build(ranks, microbatches, virtual_stages).validate()
     if not spec.takes_cap:
-        key = "admission_cap" if admission_cap is not None else "stash_limit"
+        key, what = next((k, w) for k, w, given in (
+            ("admission_cap", "activation cap", admission_cap), ("stash_limit", "W stash limit", stash_limit),
+            ("order_timing", "cost-timed order (its order is fixed)", times)) if given is not None)
         takers = [n for n, sp in SCHEDULES.items() if sp.takes_cap]
-        what = "activation cap" if key == "admission_cap" else "W stash limit"
-        raise ScheduleError(f"pipeline.{key}: schedule {name!r} has no {what} (leave it out); "
+        leave = 'set it to "unit"' if key == "order_timing" else "leave it out"
+        raise ScheduleError(f"pipeline.{key}: schedule {name!r} has no {what} ({leave}); "
                             f"schedules that take one: {', '.join(takers)}")
-    return spec.build(ranks, microbatches, virtual_stages, admission_cap, stash_limit).validate()
+    return spec.build(ranks, microbatches, virtual_stages, admission_cap, stash_limit, times).validate()
 
 
 def default_virtual_stages(name: str) -> int:

@@ -13,8 +13,10 @@ chronos — Chronos-Pipe (Lin et al. 2025, ChronosPipe, arXiv 2503.03182): HBM t
     stays within CHRONOS_SLOWDOWN of the uncapped schedule's. The paper's body was not available; the
     reasoning behind each choice, and measurements, are in docs/schedules.md.
 
-List scheduler. Time runs in unit steps (T_F = T_I = T_W = 1 and T_B = 2 per chunk); whenever a rank is idle
-it takes the first ready action from:
+List scheduler. Time runs on a clock (`ActionTimes`): unit steps by default (T_F = T_I = T_W = 1 and T_B = 2 per
+chunk, no time on the wire), or the step's own costs (pipeline.order_timing = "costs": each chunk's F, I and W
+times and the P2P hop from the cost table, so the greedy choices are made at the moments the step will really
+reach them). Whenever a rank is idle it takes the first ready action from:
   1. a backward (I, or B without split): the one whose activation has waited longest;
   2. a W, if the rank holds `w_limit` chunk-activations whose W has not run (in flight + deferred W);
   3. a forward: later chunks first (they carry older microbatches towards the loss), then the lowest
@@ -30,11 +32,13 @@ likewise live_r + deferred W_r <= max(forward_limit, w_limit).
 Deadlock freedom, for any forward_limit >= v: let j be the oldest unfinished microbatch. Microbatches are
 admitted in order, so a rank that has not admitted j holds no reservation and may admit it; later chunks'
 forwards and all backwards are never gated; so an action of j is always ready and the scheduler never stalls.
-The static order it emits runs under any costs, since the unit-cost run is one valid execution of it.
+The static order it emits runs under any costs, since the run that produced it is one valid execution of it;
+under the costs it was timed with, the engine replays that run (docs/schedules.md).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
@@ -43,8 +47,33 @@ from sim.errors import ScheduleError
 from sim.ir import Action, Kind, Schedule
 from sim.schedules import exact_virtual_stages, register
 
-CHRONOS_SLOWDOWN = 0.05  # chronos may run this much slower than the uncapped schedule (unit costs)
-_UNIT_COST = {Kind.F: 1, Kind.I: 1, Kind.W: 1, Kind.B: 2}
+CHRONOS_SLOWDOWN = 0.05  # chronos may run this much slower than the uncapped schedule (on the list clock)
+
+
+@dataclass(frozen=True)
+class ActionTimes:
+    """The list scheduler's clock: per stage (model chunk) the F, I and W times, B = I + W, and the time an
+    activation or gradient takes between two ranks (`hop`). Hashable, so plans built on it can be cached."""
+
+    forward: tuple[float, ...]
+    backward_input: tuple[float, ...]
+    backward_weight: tuple[float, ...]
+    hop: float = 0.0
+
+    @classmethod
+    def unit(cls, stages: int) -> ActionTimes:
+        """T_F = T_I = T_W = 1, T_B = 2, nothing on the wire: the order does not depend on any cost."""
+        ones = (1.0,) * stages
+        return cls(ones, ones, ones)
+
+    def of(self, kind: Kind, stage: int) -> float:
+        if kind is Kind.F:
+            return self.forward[stage]
+        if kind is Kind.I:
+            return self.backward_input[stage]
+        if kind is Kind.W:
+            return self.backward_weight[stage]
+        return self.backward_input[stage] + self.backward_weight[stage]
 
 
 def zigzag_placement(p: int, v: int) -> tuple[int, ...]:
@@ -64,37 +93,43 @@ class Admission:
 @dataclass(frozen=True)
 class ListSchedule:
     ranks: tuple[tuple[Action, ...], ...]
-    makespan: int  # of the unit-cost run that produced the order; the engine's is no larger
+    makespan: float  # of the run on the list clock that produced the order
 
 
 class PastDeadline(Exception):
     """A list-scheduler run could not finish by its deadline."""
 
 
-def list_schedule(p: int, m: int, v: int, admission: Admission, deadline: float = float("inf")) -> ListSchedule:
-    """Run the list scheduler (module docstring) over the zig-zag-placed p·v chunks with unit costs; raise
-    PastDeadline as soon as some action would end after `deadline`."""
+def list_schedule(p: int, m: int, v: int, admission: Admission, deadline: float = float("inf"),
+                  times: ActionTimes | None = None) -> ListSchedule:
+    """Run the list scheduler (module docstring) over the zig-zag-placed p·v chunks on the clock `times`
+    (default: unit costs); raise PastDeadline as soon as some action would end after `deadline`."""
     if admission.forward_limit < v:
         raise ScheduleError(f"forward_limit {admission.forward_limit} < v = {v}: no microbatch could be admitted")
     n = p * v
+    clock = ActionTimes.unit(n) if times is None else times
+    if len(clock.forward) != n:
+        raise ScheduleError(f"list scheduler: the clock has times for {len(clock.forward)} stages, not p·v = {n}")
     placement = zigzag_placement(p, v)
     chunks = [[s for s in range(n) if placement[s] == r] for r in range(p)]  # ascending stage = chunk order
     backward = Kind.I if admission.split_backward else Kind.B
     never = float("inf")
     f_end = [[never] * m for _ in range(n)]
-    b_end = [[never] * m for _ in range(n)]
+    f_arrive = [[never] * m for _ in range(n)]  # F's output at stage s + 1's rank
+    b_arrive = [[never] * m for _ in range(n)]  # the backward's input gradient at stage s - 1's rank
     next_f, next_b = [0] * n, [0] * n
     deferred_w: list[deque[Action]] = [deque() for _ in range(p)]
     reserved, held = [0] * p, [0] * p  # held: activations whose W (or B) has not run
-    free_at = [0] * p
+    free_at = [0.0] * p
     orders: list[list[Action]] = [[] for _ in range(p)]
     remaining = n * m * (3 if admission.split_backward else 2)
+    events = [0.0]  # times at which a rank frees up or a message arrives
 
-    def pick(r: int, t: int) -> Action | None:
+    def pick(r: int, t: float) -> Action | None:
         ready_b = [
             (f_end[s][k], -s, s, k)
             for s in chunks[r]
-            if (k := next_b[s]) < m and f_end[s][k] <= t and (s == n - 1 or b_end[s + 1][k] <= t)
+            if (k := next_b[s]) < m and f_end[s][k] <= t and (s == n - 1 or b_arrive[s + 1][k] <= t)
         ]
         if ready_b:
             *_, s, k = min(ready_b)
@@ -104,30 +139,41 @@ def list_schedule(p: int, m: int, v: int, admission: Admission, deadline: float 
         for c in reversed(range(v)):
             s = chunks[r][c]
             k = next_f[s]
-            if k < m and (s == 0 or f_end[s - 1][k] <= t) and (c > 0 or reserved[r] + v <= admission.forward_limit):
+            if k < m and (s == 0 or f_arrive[s - 1][k] <= t) and (c > 0 or reserved[r] + v <= admission.forward_limit):
                 return Action(s, Kind.F, k)
         return deferred_w[r].popleft() if deferred_w[r] else None
 
-    t = 0
+    def hop(s: int, to: int) -> float:  # the time from stage s to stage `to` (0 on one rank or outside the model)
+        return clock.hop if 0 <= to < n and placement[to] != placement[s] else 0.0
+
     while remaining:
+        if not events:  # unreachable by the argument in the module docstring
+            raise ScheduleError(f"list scheduler stalled with p={p}, m={m}, v={v}, {admission}")
+        t = heapq.heappop(events)
+        while events and events[0] <= t:
+            heapq.heappop(events)
         for r in range(p):
             if free_at[r] > t or (a := pick(r, t)) is None:
                 continue
-            end = t + _UNIT_COST[a.kind]
+            s, k = a.stage, a.microbatch
+            end = t + clock.of(a.kind, s)
             if end > deadline:
                 raise PastDeadline(f"list schedule p={p}, m={m}, v={v}, {admission} runs past {deadline}")
             free_at[r] = end
+            heapq.heappush(events, end)
             orders[r].append(a)
             remaining -= 1
-            s, k = a.stage, a.microbatch
             if a.kind is Kind.F:
                 f_end[s][k] = end
+                f_arrive[s][k] = end + hop(s, s + 1)
+                heapq.heappush(events, f_arrive[s][k])
                 next_f[s] += 1
                 held[r] += 1
                 if s == chunks[r][0]:
                     reserved[r] += v
             elif a.kind is backward:
-                b_end[s][k] = end
+                b_arrive[s][k] = end + hop(s, s - 1)
+                heapq.heappush(events, b_arrive[s][k])
                 next_b[s] += 1
                 reserved[r] -= 1  # the rank decides again only after this backward has ended
                 if a.kind is Kind.I:
@@ -136,10 +182,6 @@ def list_schedule(p: int, m: int, v: int, admission: Admission, deadline: float 
                     held[r] -= 1
             else:
                 held[r] -= 1
-        busy_until = [f for f in free_at if f > t]
-        if remaining and not busy_until:  # unreachable by the argument in the module docstring
-            raise ScheduleError(f"list scheduler stalled at t={t} with p={p}, m={m}, v={v}, {admission}")
-        t = min(busy_until, default=t)
     return ListSchedule(tuple(tuple(o) for o in orders), max(free_at))
 
 
@@ -182,14 +224,16 @@ def _check_chronos(p: int, m: int, v: int) -> str | None:
 
 
 @lru_cache(maxsize=64)  # a linear scan of list-scheduler runs: 0.1 s at p = 8, m = 32; 6 s at p = 32, m = 64
-def chronos_plan(p: int, m: int, v: int, slowdown: float = CHRONOS_SLOWDOWN) -> tuple[int, ListSchedule]:
-    """The smallest forward_limit whose unit-cost makespan is within `slowdown` of the uncapped schedule's."""
+def chronos_plan(p: int, m: int, v: int, slowdown: float = CHRONOS_SLOWDOWN, times: ActionTimes | None = None
+                 ) -> tuple[int, ListSchedule]:
+    """The smallest forward_limit whose makespan on the clock `times` (default: unit costs) is within `slowdown`
+    of the uncapped schedule's."""
     w_limit = deferred_w_limit(p, v)
-    uncapped = list_schedule(p, m, v, Admission(v * m, w_limit))  # a cap of v·m never binds
+    uncapped = list_schedule(p, m, v, Admission(v * m, w_limit), times=times)  # a cap of v·m never binds
     target = (1 + slowdown) * uncapped.makespan
     for limit in range(v, v * m):
         try:
-            return limit, list_schedule(p, m, v, Admission(limit, w_limit), deadline=target)
+            return limit, list_schedule(p, m, v, Admission(limit, w_limit), deadline=target, times=times)
         except PastDeadline:  # too slow at this cap; cut short
             continue
     return v * m, uncapped
@@ -202,23 +246,25 @@ def chronos_plan(p: int, m: int, v: int, slowdown: float = CHRONOS_SLOWDOWN) -> 
     virtual_stages=2,
     takes_cap=True,
 )
-def build_chronos(p: int, m: int, v: int, admission_cap: int | None = None, stash_limit: int | None = None
-                  ) -> Schedule:
+def build_chronos(p: int, m: int, v: int, admission_cap: int | None = None, stash_limit: int | None = None,
+                  times: ActionTimes | None = None) -> Schedule:
     """The chronos order; `admission_cap` (pipeline.admission_cap) replaces the chosen cap; `stash_limit`
     (pipeline.stash_limit) replaces the list scheduler's w_limit (default deferred_w_limit; 0: no W stash, a
-    full B instead of I and W). V-Half's cap as both (v_half_limit(p) at v = 2) gives exactly v-half's order."""
+    full B instead of I and W); `times` (pipeline.order_timing = "costs") is the list scheduler's clock, unit
+    costs when None. V-Half's cap as both (v_half_limit(p) at v = 2), on unit costs, gives exactly v-half's
+    order."""
     if admission_cap is None and stash_limit is None:
-        _, plan = chronos_plan(p, m, v)
+        _, plan = chronos_plan(p, m, v, times=times)
     else:
-        cap = chronos_plan(p, m, v)[0] if admission_cap is None else admission_cap
+        cap = chronos_plan(p, m, v, times=times)[0] if admission_cap is None else admission_cap
         if cap < v:
             raise ScheduleError(f"pipeline.admission_cap: {cap} < virtual_stages = {v}: no microbatch could be "
                                 f"admitted; give at least {v}")
         w_limit = deferred_w_limit(p, v) if stash_limit is None else stash_limit
-        plan = _capped_plan(p, m, v, cap, w_limit)
+        plan = _capped_plan(p, m, v, cap, w_limit, times)
     return Schedule("chronos", p * v, m, plan.ranks, zigzag_placement(p, v))
 
 
 @lru_cache(maxsize=256)
-def _capped_plan(p: int, m: int, v: int, cap: int, w_limit: int) -> ListSchedule:
-    return list_schedule(p, m, v, Admission(min(cap, v * m), w_limit, split_backward=w_limit > 0))
+def _capped_plan(p: int, m: int, v: int, cap: int, w_limit: int, times: ActionTimes | None = None) -> ListSchedule:
+    return list_schedule(p, m, v, Admission(min(cap, v * m), w_limit, split_backward=w_limit > 0), times=times)
