@@ -5,8 +5,9 @@ policies, solves the memory MILP and re-simulates its plan) and checks peak HBM 
 every rank. Depth is searched over multiples of stages * virtual_stages: doubling until a depth fails, then
 bisection (fitting is monotone in depth: every per-layer cost grows with it).
 
-The chronos policies are chosen jointly per depth (`Policy.joint`): the schedule's chunks per rank v and its
-admission cap (`chronos_variants`) with the policy's memory treatment, the fastest variant that fits winning.
+The chronos policies are chosen jointly per depth (`Policy.joint`): the schedule's chunks per rank v, its
+admission cap, its W stash limit and the clock its order is built on (`chronos_variants`) with the policy's
+memory treatment, the fastest variant that fits winning.
 Variants are tried in order of their keep-everything speed, an upper bound on any memory treatment of the
 same order (recomputation and offload only add work and copies), and the search stops once the best found is
 at least the next bound: the MILP runs only for the variants that could still win.
@@ -25,7 +26,7 @@ from sim.costs import build_cost_table
 from sim.engine import SimResult, simulate
 from sim.errors import ScenarioError
 from sim.schedules.v_shape import chronos_plan, deferred_w_limit, v_half_limit
-from sim.step import resolve_schedule
+from sim.step import list_clock, resolve_schedule
 from solver.errors import SolverError, SolverTimeoutError
 from solver.memory_milp import MemoryInfeasibleError
 from solver.step import resolve_memory_plan
@@ -39,7 +40,7 @@ class Policy:
     schedule: str
     virtual_stages: int
     overrides: dict[str, Any] = field(default_factory=dict)
-    joint: bool = False  # v and the admission cap chosen per depth (chronos_variants), the fastest that fits
+    joint: bool = False  # v, cap, stash limit and clock chosen per depth (chronos_variants), the fastest that fits
     by_default: bool = True  # run when --policies is not given (opt-in ones take much longer)
 
     @property
@@ -108,35 +109,69 @@ def planner_treatment(treatment: tuple[tuple[str, Any], ...], var: dict[str, Any
     return tuple(sorted({**dict(treatment), "memory.offload_stash": 0.0}.items()))
 
 
-def chronos_variants(stages: int, microbatches: int, layers: int) -> list[dict[str, Any]]:
-    """(v, admission cap, stash limit) a joint chronos policy tries at `layers`: v in JOINT_V where every chunk
-    gets a layer; caps in chunk-activations: chronos' own choice, V-Half's (v_half_limit, per chunk pair; with
-    the stash limit = cap at v = 2, exactly v-half's order, so `chronos` >= `v-half` at every depth), one
-    whole-rank microbatch below it, and 1F1B's p microbatches (the list scheduler gains little above:
-    docs/memory.md); each with W deferred as usual (the stash limit's default), with the W stash counted
-    against the cap (stash limit = cap), or with no stash (0: full B). Every chronos policy tries the same
-    set of orders, but not the same plans in each: `chronos+recomp` applies the chronos recompute rule to every
-    variant and never tries keep-everything, and the planner runs the MILP only at chronos' own cap (keeping
-    everything elsewhere), so a policy with more memory treatments is not guaranteed to be faster than one
-    with fewer at every depth."""
+def chronos_variants(stages: int, microbatches: int, layers: int, timed_caps: dict[int, int] | None = None
+                     ) -> list[dict[str, Any]]:
+    """(v, admission cap, stash limit, list clock) a joint chronos policy tries at `layers`: v in JOINT_V where
+    every chunk gets a layer; caps in chunk-activations: chronos' own choice, V-Half's (v_half_limit, per chunk
+    pair; with the stash limit = cap at v = 2 on unit costs, exactly v-half's order, so `chronos` >= `v-half`
+    at every depth), one whole-rank microbatch below and above it, and 1F1B's p microbatches (the list scheduler
+    gains little above: docs/memory.md); each with W deferred as usual (the stash limit's default), with the W
+    stash counted against the cap (stash limit = cap), or with no stash (0: full B). Every order is built on
+    unit costs and, for each v in `timed_caps` (chronos' own cap on the step's cost clock, `timed_own_caps`),
+    again on the step's costs (pipeline.order_timing = "costs"), with that clock's own cap. Every chronos policy
+    tries the same set of orders, but not the same plans in each: `chronos+recomp` applies the chronos
+    recompute rule to every variant and never tries keep-everything, and the planner runs the MILP only on the
+    orders `planned_variant` names (keeping everything elsewhere), so a policy with more memory treatments is
+    not guaranteed to be faster than one with fewer at every depth."""
     out = []
     for v in JOINT_V:
         if layers < stages * v:
             continue
         half = v_half_limit(stages) // 2  # V-Half's whole-rank microbatches
-        caps = {chronos_plan(stages, microbatches, v)[0]} | {v * k for k in (half - 1, half, stages) if k >= 1}
-        for c in sorted(caps):
-            for stash in sorted({deferred_w_limit(stages, v), c, 0}, reverse=True):
-                var = {"pipeline.virtual_stages": v, "pipeline.admission_cap": c}
-                out.append(var if stash == deferred_w_limit(stages, v) else {**var, "pipeline.stash_limit": stash})
+        clocks = {"unit": chronos_plan(stages, microbatches, v)[0]}
+        if timed_caps and v in timed_caps:
+            clocks["costs"] = timed_caps[v]
+        for clock, own in clocks.items():
+            caps = {own} | {v * k for k in (half - 1, half, half + 1, stages) if k >= 1}
+            timing = {} if clock == "unit" else {"pipeline.order_timing": "costs"}
+            for c in sorted(caps):
+                for stash in sorted({deferred_w_limit(stages, v), c, 0}, reverse=True):
+                    var = {"pipeline.virtual_stages": v, "pipeline.admission_cap": c, **timing}
+                    out.append(var if stash == deferred_w_limit(stages, v) else {**var, "pipeline.stash_limit": stash})
     return out
 
 
+def timed_own_caps(sc_path: str | None, base_overrides: dict[str, Any], stages: int, microbatches: int,
+                   layers: int) -> dict[int, int]:
+    """Per v in JOINT_V (where every chunk gets a layer), chronos' own cap on the clock of the step's costs at
+    `layers`: the smallest within CHRONOS_SLOWDOWN of its uncapped order, timed as the step will run."""
+    out = {}
+    for v in JOINT_V:
+        if layers >= stages * v:
+            at = load_scenario(sc_path, {**base_overrides, "pipeline.schedule": "chronos",
+                                         "pipeline.virtual_stages": v, "model.layers": layers})
+            out[v] = chronos_plan(stages, microbatches, v, times=list_clock(build_cost_table(at)))[0]
+    return out
+
+
+def planned_variant(stages: int, microbatches: int, var: dict[str, Any], timed_caps: dict[int, int]) -> bool:
+    """Whether the planner runs its MILP on this order: a cap from V-Half's up to chronos' own on the order's
+    clock (on unit costs the two coincide at p = 8, v = 2; on the step's costs chronos' own is larger, and the
+    caps between trade bubble against what must move: 0.962, 0.992, 0.939 at caps 14, 12, 10 at 80 layers,
+    docs/memory.md). Each MILP costs 5-70 s at deep depths; `_evaluate_joint` runs them in order of the
+    order's keep-everything speed and stops once none left can win."""
+    v, cap = var["pipeline.virtual_stages"], var["pipeline.admission_cap"]
+    own = timed_caps[v] if var.get("pipeline.order_timing") == "costs" else chronos_plan(stages, microbatches, v)[0]
+    return v_half_limit(stages) // 2 * v <= cap <= own
+
+
 def variant_label(var: dict[str, Any]) -> str:
-    """`v=2 cap=10`; with the W stash counted against the cap `v=2 cap=10 stash<=10`; without one, `... full-B`."""
+    """`v=2 cap=10`; with the W stash counted against the cap `v=2 cap=10 stash<=10`; without one, `... full-B`;
+    built on the step's costs (pipeline.order_timing = "costs"), `... timed`."""
     stash = var.get("pipeline.stash_limit")
     tail = "" if stash is None else " full-B" if stash == 0 else f" stash<={stash}"
-    return f"v={var['pipeline.virtual_stages']} cap={var['pipeline.admission_cap']}{tail}"
+    timed = " timed" if var.get("pipeline.order_timing") == "costs" else ""
+    return f"v={var['pipeline.virtual_stages']} cap={var['pipeline.admission_cap']}{tail}{timed}"
 
 
 def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy, layers: int,
@@ -188,14 +223,14 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
                                  layers)
         return key, runs[key]
 
-    variants = chronos_variants(sc.pipeline.stages, sc.pipeline.microbatches, layers)
+    p, m = sc.pipeline.stages, sc.pipeline.microbatches
+    timed = timed_own_caps(sc_path, base_overrides, p, m, layers)
+    variants = chronos_variants(p, m, layers, timed)
     treatment = tuple(sorted(policy.overrides.items()))
     cheap = (KEEP,) if policy.planner else (treatment,)
     tried = [run(var, t) for var in variants for t in cheap]
     if policy.planner:
-        p, m = sc.pipeline.stages, sc.pipeline.microbatches
-        planned = [var for var in variants
-                   if var["pipeline.admission_cap"] == chronos_plan(p, m, var["pipeline.virtual_stages"])[0]]
+        planned = [var for var in variants if planned_variant(p, m, var, timed)]
         bounds = sorted(((run(var, KEEP)[1].result.tokens_per_s, var) for var in planned), key=lambda b: -b[0])
         for bound, var in bounds:
             best = _fastest(tried)

@@ -140,6 +140,27 @@ def test_v_half_s_order_is_one_of_the_chronos_variants():
         assert build_schedule("chronos", p, m, 2, half, half).ranks == build_schedule("v-half", p, m, 2).ranks
 
 
+def test_the_joint_search_builds_every_order_on_both_clocks_and_plans_the_caps_up_to_chronos_own():
+    """With chronos' own cap on the step's costs given per v, each order is tried on unit costs and on the
+    step's costs; the MILP runs on the caps from V-Half's up to the order's own clock's chronos cap."""
+    from analysis.capacity import chronos_variants, planned_variant, timed_own_caps, variant_label
+    from sim.schedules.v_shape import chronos_plan
+
+    p, m = 4, 8
+    timed = timed_own_caps(None, {"pipeline.stages": p, "pipeline.microbatches": m}, p, m, 4 * p)
+    assert set(timed) == {2, 4}
+    variants = chronos_variants(p, m, 4 * p, timed)
+    assert all(v in variants for v in chronos_variants(p, m, 4 * p))  # the unit-cost orders, as before
+    on_costs = [v for v in variants if v.get("pipeline.order_timing") == "costs"]
+    assert {v["pipeline.admission_cap"] for v in on_costs if v["pipeline.virtual_stages"] == 2} >= {timed[2], 6}
+    assert all(variant_label(v).endswith("timed") for v in on_costs)
+    assert len({variant_label(v) for v in variants}) == len(variants)  # one label per order: the cache's key
+    for var in variants:
+        v, cap = var["pipeline.virtual_stages"], var["pipeline.admission_cap"]
+        own = timed[v] if var in on_costs else chronos_plan(p, m, v)[0]
+        assert planned_variant(p, m, var, timed) == (v * 3 <= cap <= own)  # V-Half's 3 microbatches at p = 4
+
+
 def test_a_timed_out_milp_is_reported_not_counted_as_no_fit(monkeypatch):
     """The MILP's safety time limit says nothing about the depth: the evaluation is `unknown`, and the capacity
     row says its max_layers is a lower bound and where the search was cut, instead of a silent "no fit"."""
