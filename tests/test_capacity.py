@@ -216,3 +216,20 @@ def test_the_layer_copy_policy_is_opt_in_and_at_least_as_fast():
     by_layer = PolicyDepths(SEVENTY, small, layers, 4, {})(32)
     assert moved.fits and by_layer.fits
     assert by_layer.result.tokens_per_s >= moved.result.tokens_per_s * (1 - 2e-2)
+
+
+def test_chronos_fits_2_4x_plain_1f1b_s_depth_at_95_percent_of_its_per_layer_throughput():
+    """Issue #18's first target on the shipped ChronosPipe setting (docs/memory.md): plain 1F1B's deepest fit is
+    32 layers; at 80 (2.5×) the default planner's plan on chronos' v = 4, cap-24 order built on the step's costs
+    fits HBM on every rank and runs ≥ 95% of 1F1B's per-layer throughput (0.972 when measured)."""
+    from analysis.capacity import POLICIES, Policy, evaluate, variant_label
+
+    plain = evaluate(SEVENTY, {}, POLICIES["1f1b"], 32)
+    assert plain.fits and not evaluate(SEVENTY, {}, POLICIES["1f1b"], 48).fits
+    var = {"pipeline.virtual_stages": 4, "pipeline.admission_cap": 24, "pipeline.order_timing": "costs"}
+    planner = POLICIES["chronos+recomp+offload"]
+    ev = evaluate(SEVENTY, var, Policy(planner.name, "chronos", 4, planner.overrides), 80)
+    assert variant_label(var) == "v=4 cap=24 timed"
+    assert ev.fits and not ev.result.oom_over_limit
+    ratio = ev.result.tokens_per_s * 80 / (plain.result.tokens_per_s * 32)
+    assert ratio >= 0.95, ratio
