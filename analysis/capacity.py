@@ -158,7 +158,7 @@ def planned_variant(stages: int, microbatches: int, var: dict[str, Any], timed_c
     """Whether the planner runs its MILP on this order: a cap from V-Half's up to chronos' own on the order's
     clock (on unit costs the two coincide at p = 8, v = 2; on the step's costs chronos' own is larger, and the
     caps between trade bubble against what must move: 0.962, 0.992, 0.939 at caps 14, 12, 10 at 80 layers,
-    docs/memory.md). Each MILP costs 5-70 s at deep depths; `_evaluate_joint` runs them in order of the
+    docs/memory.md). Each MILP costs 2-340 s at 48-320 layers; `_evaluate_joint` runs them in order of the
     order's keep-everything speed and stops once none left can win."""
     v, cap = var["pipeline.virtual_stages"], var["pipeline.admission_cap"]
     own = timed_caps[v] if var.get("pipeline.order_timing") == "costs" else chronos_plan(stages, microbatches, v)[0]
@@ -210,9 +210,8 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
                     runs: dict) -> Evaluation:
     """The fastest fitting variant of a joint policy (module docstring). `runs` caches every (depth, variant,
     treatment) run across the chronos policies. The planner's candidates are every variant's keep-everything
-    plan (in the MILP's plan space) and the MILP's own plan for the variants with chronos' own cap, tried in
-    order of their bound while they can still win (a MILP takes 5-50 s at 144 layers; there chronos' own cap,
-    V-Half's at p = 8 and v = 2, planned best among 8, 10, 12 and 16: docs/memory.md)."""
+    plan (in the MILP's plan space) and the MILP's own plan for the variants `planned_variant` names, tried in
+    order of their bound while they can still win (docs/memory.md)."""
     sc = load_scenario(sc_path, base_overrides)
 
     def run(var: dict[str, Any], treatment: tuple[tuple[str, Any], ...]) -> tuple[tuple, Evaluation]:
