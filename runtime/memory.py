@@ -14,7 +14,8 @@ runtime recomputes:
     selective-op          torchtitan's op-level selective checkpointing (selective_ac_option = "op"), through
                           torch's SAC API: keep the layer input, the outputs of every other aten.mm (wq, wv,
                           w1, w2) and of flash SDPA (output and log-sum-exp); recompute the rest
-    planned (MILP)        checkpoint the chunk's first k decoder layers, offload the planned share of the
+    planned (MILP)        checkpoint the chunk's first k decoder layers whole and the next j op-level
+                          (selective-op's wrapper), offload the planned share of the
                           chunk's saved bytes (its DRAM and NVMe layers; both go to host memory here), and
                           keep the optimizer state on the host on the ranks the plan says
     offload_weights       the chunk's parameters leave the device between uses (runtime/weight_offload.py)
@@ -63,6 +64,7 @@ class ChunkMemory:
     offload_share: float  # share of the saved activation bytes moved to host after the forward
     recompute_layers: int | None = None  # checkpoint only the first k decoder layers (memory MILP); None: all
     label: str = "none"
+    op_layers: int = 0  # then the next j decoder layers op-level ("selective-op"; memory MILP)
 
 
 @dataclass(frozen=True)
@@ -105,10 +107,10 @@ def run_memory(sc: Scenario, schedule: Schedule, choice: MemoryChoice | None = N
                 raise PipeplanError(f"memory.recompute: the runtime has no policy {c.recompute!r}; it runs "
                                     f"{', '.join(RECOMPUTE_WRAPPERS)} (and chronos, which resolves to them)")
         return RunMemory(chunks, [mem.optimizer != "hbm"] * schedule.num_ranks, _weights(plan))
-    k, layers = resolved.choice.recompute_layers, costs.detail.layers
+    k, j, layers = resolved.choice.recompute_layers, resolved.choice.op_recompute_layers, costs.detail.layers
     share = np.divide(plan.offload_bytes, plan.kept_bytes, out=np.zeros(len(layers)), where=plan.kept_bytes > 0)
     chunks = [
-        ChunkMemory("full" if k[c] else "none", abs(float(share[c])), int(k[c]), plan.policy[c])
+        ChunkMemory("full" if k[c] else "none", abs(float(share[c])), int(k[c]), plan.policy[c], int(j[c]))
         for c in range(len(layers))
     ]
     on_host = resolved.choice.states_on_host
@@ -122,7 +124,8 @@ def _weights(plan) -> list[bool]:
 
 
 def apply_policy(chunk: nn.Module, policy: ChunkMemory | str) -> nn.Module:
-    """Recompute as `policy` says (names and parameters unchanged)."""
+    """Recompute as `policy` says (names and parameters unchanged): its policy on every layer, or on the first
+    `recompute_layers` and op-level on the `op_layers` after them (a planned chunk)."""
     if isinstance(policy, str):
         policy = ChunkMemory(policy.removeprefix("chronos:"), 0.0)
     wrap = RECOMPUTE_WRAPPERS.get(policy.recompute)
@@ -130,10 +133,11 @@ def apply_policy(chunk: nn.Module, policy: ChunkMemory | str) -> nn.Module:
         raise PipeplanError(f"memory.recompute: the runtime has no policy {policy.recompute!r}; it runs "
                             f"{', '.join(RECOMPUTE_WRAPPERS)}")
     layers = list(chunk.layers.values())
-    if policy.recompute_layers is not None:
-        layers = layers[: policy.recompute_layers]
-    for layer in layers:
+    k = len(layers) if policy.recompute_layers is None else policy.recompute_layers
+    for layer in layers[:k]:
         wrap(layer)
+    for layer in layers[k: k + policy.op_layers]:
+        _checkpoint_layer_ops(layer)
     return chunk
 
 

@@ -6,6 +6,10 @@ positions k in each rank's order. Per layer of chunk c: a_c activation bytes, q_
 f_c forward seconds; A_c the chunk's activation bytes; m microbatches.
 
     variables   k_c, d_c, n_c ∈ {0..L_c}  layers recomputed / offloaded to DRAM / offloaded to NVMe
+                j_c ∈ {0..L_c}             layers under op-level selective recomputation (torchtitan's "op"
+                                           policy, sim/layer_ops.py): keep q'_c, redo f'_c; 0 without a
+                                           [model] (explicit costs have no ops) or with
+                                           memory.plan_recompute = "full"
                 z_c, t_c, y_r ∈ {0, 1}     chunk recomputes at all / chunk offloads to NVMe / rank offloads states
                 o_c ∈ {0, 1}               chunk offloads its bf16 weights W_c in its idle windows
                                            (memory.offload_weights = "auto"; fixed by "all" or a list)
@@ -15,17 +19,19 @@ f_c forward seconds; A_c the chunk's activation bytes; m microbatches.
                                            a stash is many tensors (two per linear layer and microbatch), so
                                            any share is a set of them to within one tensor
                 s_i >= 0 start times,  T makespan
-    duration    D_i = w_i + f_c k_c for B/I of chunk c, else w_i; under ZeRO-3 without a pipeline, whose B/I
-                already waits ς_c on its parameter traffic (ChunkDetail.backward_comm_slack_s), w_i + x_c
-                with x_c >= f_c k_c - ς_c, x_c >= 0 (sim.memory.exposed_recompute_s)
-    minimise    T + ε Σ_c (f_c k_c m + x_c m + ξ_c m)      (ε = 1e-6: prefer less work on ties; MIP gap 1%)
+    duration    D_i = w_i + f_c k_c + f'_c j_c for B/I of chunk c, else w_i; under ZeRO-3 without a pipeline,
+                whose B/I already waits ς_c on its parameter traffic (ChunkDetail.backward_comm_slack_s),
+                w_i + x_c with x_c >= f_c k_c + f'_c j_c - ς_c, x_c >= 0 (sim.memory.exposed_recompute_s)
+    minimise    T + ε Σ_c (f_c k_c m + f'_c j_c m + x_c m + ξ_c m)   (ε = 1e-6: prefer less work on ties;
+                                                                        MIP gap 1%)
     subject to  s_v >= s_u + D_u + delay_uv                                  every DAG edge
                 T >= s_i + D_i                                               the last action of every rank
-                k_c + d_c + n_c <= L_c,  k_c <= L_c z_c,  n_c <= L_c t_c,  d_c <= L_c (1 - t_c)
+                k_c + j_c + d_c + n_c <= L_c,  k_c + j_c <= L_c z_c,  n_c <= L_c t_c,  d_c <= L_c (1 - t_c)
                 HBM at every position k of rank r, with N_kc microbatches of chunk c in flight and R_kc of
                 them resident (the current action's, the next `lookahead` backwards' (prefetched), the last two
                 forwards' (copies out may be unfinished)):
-                  S_r - y_r H_r + Σ_c [N_kc (A_c - (a_c - q_c) k_c) - (N_kc - R_kc) a_c (d_c + n_c)]
+                  S_r - y_r H_r + Σ_c [N_kc (A_c - (a_c - q_c) k_c - (a_c - q'_c) j_c)
+                                       - (N_kc - R_kc) a_c (d_c + n_c)]
                   + max(ℓ_c, a_c z_c) [k is a B/I of c] - Σ_c o_c W_c [k inside a weight window of c]
                   + Σ_c [S_kc w_c - (S_kc - SR_kc) σ_c u_c] + Σ_c (D_kc g_c + F_kc o_c)  <=  capacity - margin
                 (ℓ_c: the loss's working set, last chunk only; freed before the first recomputation starts, so
@@ -134,6 +140,7 @@ class MemoryChoice:
     states_on_host: np.ndarray  # (ranks,) bool
     weights_offloaded: np.ndarray | None = None  # (chunks,) bool: bf16 weights off HBM in idle windows
     stash_layers: np.ndarray | None = None  # (chunks,): layers' worth of W stash (a real) in DRAM between I and W
+    op_layers: np.ndarray | None = None  # (chunks,): layers under op-level selective recomputation (after the k)
 
     @property
     def weight_mask(self) -> np.ndarray:
@@ -145,19 +152,26 @@ class MemoryChoice:
         n = len(self.recompute_layers)
         return np.zeros(n) if self.stash_layers is None else np.asarray(self.stash_layers, float)
 
+    @property
+    def op_recompute_layers(self) -> np.ndarray:
+        n = len(self.recompute_layers)
+        return np.zeros(n) if self.op_layers is None else np.asarray(self.op_layers, float)
+
     def to_dict(self) -> dict[str, list]:
         return {"recompute_layers": [int(x) for x in self.recompute_layers],
                 "dram_layers": [int(x) for x in self.dram_layers], "nvme_layers": [int(x) for x in self.nvme_layers],
                 "states_on_host": [bool(x) for x in self.states_on_host],
                 "weights_offloaded": [bool(x) for x in self.weight_mask],
-                "stash_layers": [float(x) for x in self.stash_offload_layers]}
+                "stash_layers": [float(x) for x in self.stash_offload_layers],
+                "op_layers": [int(x) for x in self.op_recompute_layers]}
 
     @classmethod
     def from_dict(cls, d: dict[str, list]) -> MemoryChoice:
         return cls(np.asarray(d["recompute_layers"], float), np.asarray(d["dram_layers"], float),
                    np.asarray(d["nvme_layers"], float), np.asarray(d["states_on_host"], bool),
                    np.asarray(d.get("weights_offloaded", [False] * len(d["recompute_layers"])), bool),
-                   np.asarray(d.get("stash_layers", [0] * len(d["recompute_layers"])), float))
+                   np.asarray(d.get("stash_layers", [0] * len(d["recompute_layers"])), float),
+                   np.asarray(d.get("op_layers", [0] * len(d["recompute_layers"])), float))
 
 
 @dataclass(frozen=True)
@@ -375,6 +389,7 @@ class _Columns:
     """The model's variables (column indices), shaped like the problem."""
 
     recompute: np.ndarray  # k_c
+    op: np.ndarray  # j_c
     dram: np.ndarray  # d_c
     nvme: np.ndarray  # n_c
     recomputes: np.ndarray  # z_c
@@ -385,7 +400,7 @@ class _Columns:
     start: np.ndarray  # s_i, one per node of the step graph
     makespan: int  # T
     peak: int  # P
-    # x_c >= f_c k_c - ς_c, x_c >= 0: the recomputation B/I still adds past its ZeRO-3 slack ς_c
+    # x_c >= f_c k_c + f'_c j_c - ς_c, x_c >= 0: the recomputation B/I still adds past its ZeRO-3 slack ς_c
     # (sim.memory.exposed_recompute_s); None without slack, where B/I adds f_c k_c itself
     exposed: np.ndarray | None = None
 
@@ -398,6 +413,8 @@ class _Chunks:
     act: np.ndarray  # a_c, bytes per layer
     saved: np.ndarray  # a_c - q_c, bytes recomputation frees per layer
     fwd: np.ndarray  # f_c, seconds per recomputed layer
+    op_saved: np.ndarray  # a_c - q'_c, bytes op-level recomputation frees per layer
+    op_fwd: np.ndarray  # f'_c, seconds op-level recomputation redoes per layer
     slack: np.ndarray  # ς_c, seconds B/I waits on ZeRO-3 parameter traffic beyond its compute (recomputation fills it)
     copy_dram: np.ndarray  # seconds per DRAM-offloaded layer (slowdown included)
     copy_nvme: np.ndarray  # seconds per NVMe-offloaded layer
@@ -417,8 +434,11 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     layers = d.layers.astype(float)
     sigma = or_zeros(base.stash_bytes, n_c) / np.maximum(layers, 1)
     slack = or_zeros(d.backward_comm_slack_s, n_c)
+    # a [model]'s ops make op-level recomputation a choice, unless memory.plan_recompute = "full"
+    ops = d.op_checkpoint_bytes is not None and sc.memory.plan_recompute == "full+op"
     ch = _Chunks(layers, d.layer_activation_bytes, d.layer_activation_bytes - d.layer_checkpoint_bytes,
-                 d.layer_forward_s, slack, d.layer_activation_bytes * slowdown / base.host_link_bps,
+                 d.layer_forward_s, d.layer_activation_bytes - or_zeros(d.op_checkpoint_bytes, n_c),
+                 or_zeros(d.op_recompute_s, n_c), slack, d.layer_activation_bytes * slowdown / base.host_link_bps,
                  d.layer_activation_bytes * slowdown / base.nvme_bps, weights, weights * slowdown / base.host_link_bps,
                  sigma, sigma * slowdown / base.host_link_bps)
     # u_c: memory.offload_stash = "auto" lets the MILP choose, a share fixes it (0: the stash stays in HBM)
@@ -435,7 +455,8 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     host_states = _host_state_bytes(sc, costs)  # what moving a rank's states to host frees (0: already there)
     lp = LinearProgram("memory MILP", MILP_OPTIONS)
     col = _Columns(
-        lp.add_variables(n_c, 0, ch.layers), lp.add_variables(n_c, 0, ch.layers), lp.add_variables(n_c, 0, ch.layers),
+        lp.add_variables(n_c, 0, ch.layers), lp.add_variables(n_c, 0, ch.layers if ops else 0),
+        lp.add_variables(n_c, 0, ch.layers), lp.add_variables(n_c, 0, ch.layers),
         lp.add_variables(n_c, 0, 1), lp.add_variables(n_c, 0, 1),
         lp.add_variables(n_r, 0, 1 if allow_state_offload and host_states.any() else 0),
         lp.add_variables(n_c, w_lo, w_hi),
@@ -443,13 +464,14 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
         lp.add_variables(dag.n_nodes, 0, np.inf), lp.add_variables(1, 0, np.inf)[0], lp.add_variables(1, 0, np.inf)[0],
         lp.add_variables(n_c, 0, np.inf) if slack.any() else None,
     )
-    lp.set_integer(np.concatenate([col.recompute, col.dram, col.nvme, col.recomputes, col.to_nvme,
+    lp.set_integer(np.concatenate([col.recompute, col.op, col.dram, col.nvme, col.recomputes, col.to_nvme,
                                    col.states_on_host, col.weights]))
     rows = _Rows()
     _layer_choice_rows(rows, col, ch)
-    if col.exposed is not None:  # x_c - f_c k_c >= -ς_c
+    if col.exposed is not None:  # x_c - f_c k_c - f'_c j_c >= -ς_c
         for c in range(n_c):
-            rows.add(-ch.slack[c], np.inf, [col.exposed[c], col.recompute[c]], [1, -ch.fwd[c]])
+            rows.add(-ch.slack[c], np.inf, [col.exposed[c], col.recompute[c], col.op[c]],
+                     [1, -ch.fwd[c], -ch.op_fwd[c]])
     _precedence_rows(rows, col, ch, dag)
     _copy_rows(rows, lp, col, ch, dag, lookahead, w_hi.any(), stash, sc.memory.copy_granularity == "layer")
     _step_copy_rows(rows, col, ch, dag, _step_copy_s(costs, base), _base_step_s(base), sc.memory.optimizer != "hbm",
@@ -463,9 +485,9 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     m = schedule.num_microbatches
     if limit is not None:
         lp.set_upper_bound(col.peak, max(limit, 0.0))
-        obj_cols = np.concatenate([[col.makespan], col.recompute, col.dram, col.nvme, col.weights, col.stash])
-        obj = np.concatenate([[1.0], EPS * m * ch.fwd, EPS * m * ch.copy_dram, EPS * m * ch.copy_nvme,
-                              EPS * m * ch.weight_copy, EPS * m * ch.stash_copy])
+        obj_cols = np.concatenate([[col.makespan], col.recompute, col.op, col.dram, col.nvme, col.weights, col.stash])
+        obj = np.concatenate([[1.0], EPS * m * ch.fwd, EPS * m * ch.op_fwd, EPS * m * ch.copy_dram,
+                              EPS * m * ch.copy_nvme, EPS * m * ch.weight_copy, EPS * m * ch.stash_copy])
         what = "fitting the step into HBM"
     else:
         obj_cols = np.concatenate([[col.peak], [col.makespan]])
@@ -483,7 +505,7 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     x = sol.x
     choice = MemoryChoice(np.rint(x[col.recompute]), np.rint(x[col.dram]), np.rint(x[col.nvme]),
                           np.rint(x[col.states_on_host]).astype(bool), np.rint(x[col.weights]).astype(bool),
-                          _stash_layers(x[col.stash], ch.layers))
+                          _stash_layers(x[col.stash], ch.layers), np.rint(x[col.op]))
     return MilpSolution(choice, float(x[col.makespan]), float(x[col.peak]), sol.wall_s, sol.proven_optimal,
                         sol.mip_gap, sol.dual_bound)
 
@@ -498,23 +520,24 @@ def _stash_layers(u: np.ndarray, layers: np.ndarray) -> np.ndarray:
 
 
 def _layer_choice_rows(rows: _Rows, col: _Columns, ch: _Chunks) -> None:
-    """k + d + n <= L, k <= L z, n <= L t, d <= L (1 - t): a chunk's NVMe and DRAM layers exclude each other."""
-    k, dv, nv, z, tn, layers = col.recompute, col.dram, col.nvme, col.recomputes, col.to_nvme, ch.layers
+    """k + j + d + n <= L, k + j <= L z, n <= L t, d <= L (1 - t): a layer is kept, recomputed (whole or op-level)
+    or offloaded; a chunk's NVMe and DRAM layers exclude each other."""
+    k, j, dv, nv, z, tn, layers = col.recompute, col.op, col.dram, col.nvme, col.recomputes, col.to_nvme, ch.layers
     for c in range(len(layers)):  # (u_c, the stash's layers, is bounded by L_c alone: its column's bounds)
-        rows.add(-np.inf, layers[c], [k[c], dv[c], nv[c]], [1, 1, 1])
-        rows.add(-np.inf, 0, [k[c], z[c]], [1, -layers[c]])
+        rows.add(-np.inf, layers[c], [k[c], j[c], dv[c], nv[c]], [1, 1, 1, 1])
+        rows.add(-np.inf, 0, [k[c], j[c], z[c]], [1, 1, -layers[c]])
         rows.add(-np.inf, 0, [nv[c], tn[c]], [1, -layers[c]])
         rows.add(-np.inf, layers[c], [dv[c], tn[c]], [1, layers[c]])
 
 
 def _end_terms(col: _Columns, ch: _Chunks, dag: FreezeDag, i: int) -> tuple[list[int], list[float]]:
-    """Columns and coefficients of node i's duration beyond its constant w_i: recomputation before B/I (under
-    ZeRO-3's slack, only what it adds past the slack: x_c)."""
+    """Columns and coefficients of node i's duration beyond its constant w_i: recomputation, whole and op-level,
+    before B/I (under ZeRO-3's slack, only what it adds past the slack: x_c)."""
     if i < dag.n_actions and dag.actions[i].kind in BACKWARD_KINDS:
         c = dag.actions[i].stage
         if col.exposed is not None:
             return [col.exposed[c]], [1.0]
-        return [col.recompute[c]], [ch.fwd[c]]
+        return [col.recompute[c], col.op[c]], [ch.fwd[c], ch.op_fwd[c]]
     return [], []
 
 
@@ -687,8 +710,9 @@ def _hbm_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, base: Me
         cols = [col.peak, col.states_on_host[r]]
         vals = [-1.0, -hs_r[r]]
         for c in np.flatnonzero(N):
-            cols += [col.recompute[c], col.dram[c], col.nvme[c]]
-            vals += [-N[c] * ch.saved[c], -(N[c] - R[c]) * ch.act[c], -(N[c] - R[c]) * ch.act[c]]
+            cols += [col.recompute[c], col.op[c], col.dram[c], col.nvme[c]]
+            away = -(N[c] - R[c]) * ch.act[c]
+            vals += [-N[c] * ch.saved[c], -N[c] * ch.op_saved[c], away, away]
         bc = pos.backward_chunk[p]
         if bc >= 0:  # a recomputed layer's working set replaces the loss's (sim.memory.activation_arrays: max)
             cols.append(col.recomputes[bc])
@@ -752,9 +776,9 @@ def plan_from_choice(sc: Scenario, costs: CostTable, schedule: Schedule, base: M
     """The MemoryPlan the engine runs for the MILP's `choice` (`base`: the scenario's keep-everything plan with
     its states placed, sim.memory.with_states)."""
     d = costs.detail
-    k, dram, nvme = choice.recompute_layers, choice.dram_layers, choice.nvme_layers
+    k, j, dram, nvme = choice.recompute_layers, choice.op_recompute_layers, choice.dram_layers, choice.nvme_layers
     s2r = np.asarray(schedule.stage_to_rank)
-    kept, transient, extra = activation_arrays(costs, k, np.zeros(costs.num_chunks))
+    kept, transient, extra = activation_arrays(costs, k, np.zeros(costs.num_chunks), j)
     off = d.layer_activation_bytes * (dram + nvme)
     chunk_states = choice.states_on_host[s2r]  # per chunk: its rank offloads states
     hs = _host_state_bytes(sc, costs)
@@ -763,7 +787,8 @@ def plan_from_choice(sc: Scenario, costs: CostTable, schedule: Schedule, base: M
     zero = np.zeros(costs.num_chunks)
     stash_layers = choice.stash_offload_layers
     policy = tuple(
-        f"recompute {int(k[c])}/{int(d.layers[c])}, dram {int(dram[c])}, nvme {int(nvme[c])}"
+        f"recompute {int(k[c])}/{int(d.layers[c])}" + (f", op {int(j[c])}" if j[c] else "")
+        + f", dram {int(dram[c])}, nvme {int(nvme[c])}"
         + (f", stash {stash_layers[c]:.2f}" if stash_layers[c] else "")
         + (", states on host" if chunk_states[c] else "")
         for c in range(costs.num_chunks)

@@ -160,30 +160,32 @@ def test_memory_planner_fits_where_plain_1f1b_does_not_and_beats_full_recomputat
 
 
 def every_plan(sc):
-    """Brute force over the MILP's choices: every (recomputed, DRAM, NVMe) layer count per chunk and states on
-    host or not per rank, each run in the engine: (makespan, peak HBM) per plan."""
+    """Brute force over the MILP's choices: every (recomputed whole, op-level, DRAM, NVMe) layer count per chunk
+    and states on host or not per rank, each run in the engine: (makespan, peak HBM, any op-level layer) per
+    plan."""
     from sim.memory import keep_everything, with_states
     from solver.memory_milp import MemoryChoice, plan_from_choice
 
     costs, sched = build_cost_table(sc), resolve_schedule(sc)
     base = with_states(sc, costs, keep_everything(costs))
-    per_chunk = [[(k, d, n) for k in range(int(L) + 1) for d in range(int(L) + 1 - k)
-                  for n in range(int(L) + 1 - k - d) if not (d and n)] for L in costs.detail.layers]
+    per_chunk = [[(k, j, d, n) for k in range(int(L) + 1) for j in range(int(L) + 1 - k)
+                  for d in range(int(L) + 1 - k - j) for n in range(int(L) + 1 - k - j - d) if not (d and n)]
+                 for L in costs.detail.layers]
     results = []
     for combo in itertools.product(*per_chunk):
         for on_host in itertools.product([False, True], repeat=sched.num_ranks):
-            k, d, n = (np.array(x, float) for x in zip(*combo, strict=True))
-            plan = plan_from_choice(sc, costs, sched, base, MemoryChoice(k, d, n, np.array(on_host)),
+            k, j, d, n = (np.array(x, float) for x in zip(*combo, strict=True))
+            plan = plan_from_choice(sc, costs, sched, base, MemoryChoice(k, d, n, np.array(on_host), op_layers=j),
                                     sc.memory.prefetch_lookahead)
             res = simulate(sched, costs, memory=plan)
-            results.append((res.makespan_s, float(res.peak_hbm_bytes.max())))
+            results.append((res.makespan_s, float(res.peak_hbm_bytes.max()), bool(j.any())))
     return results, base.hbm_limit_bytes
 
 
 @pytest.mark.parametrize("tightness,buffers", [(0.25, "per-exchange"), (0.75, "per-exchange"),
                                                (0.25, "per-microbatch")])
 def test_memory_milp_finds_the_brute_force_optimum(tightness, buffers):
-    """2 ranks x 2 layers per chunk: 324 plans. With HBM set between the smallest and the largest simulated
+    """2 ranks x 2 layers per chunk: 784 plans. With HBM set between the smallest and the largest simulated
     peak, the MILP's plan is as fast as the fastest plan that fits (within its 1% MIP gap). With torch
     pipelining's receive buffers (static) and input gradients (held from each backward to the step's end) the
     MILP's HBM rows must count them as the engine does, or its plan would not be the engine's optimum."""
@@ -191,12 +193,15 @@ def test_memory_milp_finds_the_brute_force_optimum(tightness, buffers):
 
     small = {"pipeline.stages": 2, "pipeline.microbatches": 4, "model.layers": 4, "pipeline.p2p_buffers": buffers}
     sc = load_scenario(SEVENTY, small)
-    peaks = np.array([peak for _t, peak in every_plan(sc)[0]])
+    peaks = np.array([peak for _t, peak, _op in every_plan(sc)[0]])
     limit = peaks.min() + tightness * (peaks.max() - peaks.min())
     sc = load_scenario(SEVENTY, {**small, "device.hbm_gib": limit / 2**30 + sc.memory.hbm_margin_gib})
     plans, hbm_limit = every_plan(sc)
-    best = min(t for t, peak in plans if peak <= hbm_limit * (1 + 1e-9))
-    assert best > min(t for t, _peak in plans)  # the limit binds: the fastest plan overall does not fit
+    best = min(t for t, peak, _op in plans if peak <= hbm_limit * (1 + 1e-9))
+    assert best > min(t for t, _peak, _op in plans)  # the limit binds: the fastest plan overall does not fit
+    # op-level recomputation (keep every other matmul's output) is a choice that matters here: without it the
+    # fastest fitting plan is slower
+    assert best < min(t for t, peak, op in plans if peak <= hbm_limit * (1 + 1e-9) and not op)
     planned = plan_memory(sc, build_cost_table(sc), resolve_schedule(sc)).simulated
     assert planned.makespan_s >= best * (1 - 1e-12)  # its plan is one of the enumerated ones
     assert planned.makespan_s <= best * (1 + 1e-2)

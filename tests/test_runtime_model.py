@@ -340,9 +340,15 @@ def test_partial_recompute_checkpoints_only_the_first_layers():
     full_trace = one_rank_executor(apply_policy(build_model(ARGS), "full"), m).run_step(data)
     chunk = apply_policy(build_model(ARGS), ChunkMemory("full", 0.0, recompute_layers=1))
     trace = one_rank_executor(chunk, m).run_step(data)
-    for (n, p), (_, q) in zip(base.named_parameters(), chunk.named_parameters(), strict=True):
+    # a planned mix: the first layer whole, the next op-level (memory MILP's k and j)
+    mixed = apply_policy(build_model(ARGS), ChunkMemory("full", 0.0, recompute_layers=1, op_layers=1))
+    mixed_trace = one_rank_executor(mixed, m).run_step(data)
+    for (n, p), (_, q), (_, r) in zip(base.named_parameters(), chunk.named_parameters(), mixed.named_parameters(),
+                                      strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=n)
+        torch.testing.assert_close(r.grad, p.grad, rtol=1e-5, atol=1e-7, msg=n)
     assert full_trace.peak_activation_bytes < trace.peak_activation_bytes < base_trace.peak_activation_bytes
+    assert full_trace.peak_activation_bytes < mixed_trace.peak_activation_bytes < trace.peak_activation_bytes
 
 
 def test_run_memory_is_the_memory_planners_choice():
@@ -357,8 +363,9 @@ def test_run_memory_is_the_memory_planners_choice():
     planned = plan_memory(sc, build_cost_table(sc), schedule)
     mem = run_memory(sc, schedule)
     assert [c.recompute_layers for c in mem.chunks] == [int(k) for k in planned.recompute_layers]
+    assert [c.op_layers for c in mem.chunks] == [int(j) for j in planned.choice.op_recompute_layers]
     assert mem.states_on_host == [bool(y) for y in planned.states_on_host]
-    assert any(c.recompute_layers for c in mem.chunks) or any(mem.states_on_host)  # the plan does something
+    assert any(c.recompute_layers or c.op_layers for c in mem.chunks) or any(mem.states_on_host)  # it does something
     assert mem.labels == list(planned.plan.policy)
     offloaded = planned.plan.offload_bytes / planned.plan.kept_bytes
     assert [c.offload_share for c in mem.chunks] == pytest.approx(offloaded)

@@ -79,9 +79,10 @@ def test_the_memory_milp_plans_the_recomputation_zero3_hides(micro_batch):
                                         "memory.plan": True})
     costs = build_cost_table(sc)
     res = plan_memory(sc, costs, resolve_schedule(sc))
-    k = res.choice.recompute_layers[0]
-    recompute, slack = k * costs.detail.layer_forward_s[0], costs.detail.backward_comm_slack_s[0]
-    assert k > 0 and slack > 0
+    k, j = res.choice.recompute_layers[0], res.choice.op_recompute_layers[0]  # layers recomputed whole, op-level
+    recompute = k * costs.detail.layer_forward_s[0] + j * costs.detail.op_recompute_s[0]
+    slack = costs.detail.backward_comm_slack_s[0]
+    assert k + j > 0 and slack > 0
     assert min(recompute, slack) > TOLERANCE * res.predicted_makespan_s  # the old pricing fails the check
     assert res.rounds == 1
     assert res.predicted_makespan_s == pytest.approx(res.simulated.makespan_s, rel=1e-6)
