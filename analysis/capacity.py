@@ -11,11 +11,16 @@ memory treatment, the fastest variant that fits winning.
 Variants are tried in order of their keep-everything speed, an upper bound on any memory treatment of the
 same order (recomputation and offload only add work and copies), and the search stops once the best found is
 at least the next bound: the MILP runs only for the variants that could still win.
+
+Evaluations are deterministic and independent of each other, so with `jobs` > 1 they run in worker processes
+(each policy's depth search in one; the target and frontier depths all at once) and give the serial answer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import multiprocessing
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -295,7 +300,7 @@ class PolicyDepths:
 
     def __init__(self, sc_path: str | None, overrides: dict[str, Any], policy: Policy, stages: int,
                  bounds: dict | None = None, progress: Callable[[str], None] | None = None):
-        self.sc_path, self.overrides, self.policy = sc_path, overrides, policy
+        self.sc_path, self.overrides, self.policy, self.stages = sc_path, overrides, policy, stages
         self.step = stages * policy.virtual_stages  # depths are multiples of the chunk count
         self._cache: dict[int, Evaluation] = {}
         self.bounds = {} if bounds is None else bounds  # joint policies' keep-everything runs, shared
@@ -312,8 +317,67 @@ class PolicyDepths:
         """Every depth evaluated so far."""
         return dict(self._cache)
 
+    def __contains__(self, layers: int) -> bool:
+        return layers in self._cache
+
+    def store(self, evaluations: dict[int, Evaluation]) -> None:
+        """Take evaluations made elsewhere (a worker process) as this policy's own."""
+        self._cache.update(evaluations)
+
     def round_up(self, layers: float) -> int:
         return max(self.step, -(-int(layers * 1000) // (1000 * self.step)) * self.step)
+
+
+def _pool(jobs: int) -> ProcessPoolExecutor:
+    """`jobs` fresh worker processes (spawned, not forked: HiGHS keeps one thread pool per process,
+    solver/highs.py, which a forked child would inherit in whatever state the parent left it)."""
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _search(sc_path: str | None, overrides: dict[str, Any], name: str, stages: int, own: int
+            ) -> dict[int, Evaluation]:
+    """A worker's share of `capacity_table`: one policy's depth search and its scenario depth, with every
+    evaluation made on the way (the parent replays the search on them without evaluating again)."""
+    fits = PolicyDepths(sc_path, overrides, POLICIES[name], stages)
+    max_layers(fits, fits.step)
+    if own % fits.step == 0:
+        fits(own)
+    return fits.evaluated()
+
+
+def _search_all(depths: dict[str, PolicyDepths], own: int, jobs: int,
+                detail: Callable[[str], None] | None) -> None:
+    """Every policy's depth search at once, in up to `jobs` processes, the planner's and the joint ones first
+    (they take longest)."""
+    names = sorted(depths, key=lambda n: (not depths[n].policy.planner, not depths[n].policy.joint))
+    if len(names) <= 1:  # no company: the caller's own search is as fast
+        return
+    with _pool(min(jobs, len(names))) as pool:
+        futures = {pool.submit(_search, depths[n].sc_path, depths[n].overrides, n, depths[n].stages, own): n
+                   for n in names}
+        for done in as_completed(futures):
+            depths[futures[done]].store(done.result())
+            if detail:
+                detail(f"{futures[done]}: depth found")
+
+
+def evaluate_all(depths: dict[str, PolicyDepths], pairs: Iterable[tuple[str, int]], jobs: int = 1,
+                 detail: Callable[[str], None] | None = None) -> None:
+    """Evaluate the (policy, layers) pairs not evaluated yet: here, in order, with `jobs` = 1; else in up to
+    `jobs` worker processes."""
+    todo = [(n, layers) for n, layers in dict.fromkeys(pairs) if layers not in depths[n]]
+    if jobs <= 1 or len(todo) <= 1:
+        for n, layers in todo:
+            depths[n](layers)
+        return
+    with _pool(min(jobs, len(todo))) as pool:
+        futures = {pool.submit(evaluate, depths[n].sc_path, depths[n].overrides, depths[n].policy, layers):
+                   (n, layers) for n, layers in todo}
+        for done in as_completed(futures):
+            n, layers = futures[done]
+            depths[n].store({layers: done.result()})
+            if detail:
+                detail(f"{n} at {layers} layers")
 
 
 def capacity_table(
@@ -324,11 +388,13 @@ def capacity_table(
     depths: dict[str, PolicyDepths] | None = None,
     overrides: dict[str, Any] | None = None,
     detail: Callable[[str], None] | None = None,
+    jobs: int = 1,
 ) -> list[dict]:
     """One row per policy: max layers and params that fit, throughput there, the scenario's own depth, and
     the depth `target_ratio` x plain 1F1B's maximum (ChronosPipe's 2.4x claim): fits there, and how fast.
     `depths` (filled here when given) keeps every evaluation for a later frontier; `overrides` (--set) apply
-    under every policy; `detail` hears of every depth evaluated."""
+    under every policy; `detail` hears of every depth evaluated; `jobs` > 1 runs the evaluations in that many
+    processes (module docstring)."""
     base = load_scenario(sc_path, overrides)
     if base.model is None:
         raise ScenarioError("capacity: needs a [model] scenario (explicit costs have no depth to vary)")
@@ -340,14 +406,17 @@ def capacity_table(
     keep = {**(overrides or {}), "memory.hbm_margin_gib": base.memory.hbm_margin_gib}
     depths = {} if depths is None else depths
     bounds: dict = {}
+    own = base.model.layers
+    for name in policies:
+        depths.setdefault(name, PolicyDepths(sc_path, keep, POLICIES[name], base.pipeline.stages, bounds, detail))
+    if jobs > 1:
+        _search_all({n: depths[n] for n in policies if not depths[n].evaluated()}, own, jobs, detail)
     rows = []
     for name in policies:
         if progress:
             progress(name)
-        fits = depths.setdefault(name, PolicyDepths(sc_path, keep, POLICIES[name], base.pipeline.stages, bounds,
-                                                    detail))
+        fits = depths[name]
         best = max_layers(fits, fits.step)
-        own = base.model.layers
         at_own = fits(own) if own % fits.step == 0 else None
         row: dict[str, Any] = {"policy": name, "schedule": fits.policy.schedule,
                                "virtual_stages": fits.policy.virtual_stages}
@@ -383,9 +452,11 @@ def capacity_table(
             r["layers_vs_1f1b"] = r["max_layers"] / ref["max_layers"]
             r["layer_throughput_vs_1f1b"] = r["layer_tokens_per_s"] / ref["layer_tokens_per_s"]
     if ref:
+        targets = {r["policy"]: depths[r["policy"]].round_up(target_ratio * ref["max_layers"]) for r in rows}
+        evaluate_all(depths, targets.items(), jobs, detail)
         for r in rows:
             fits = depths[r["policy"]]
-            target = fits.round_up(target_ratio * ref["max_layers"])
+            target = targets[r["policy"]]
             ev = fits(target)
             r["target_layers"] = target
             r["fits_target"] = ev.fits
@@ -412,23 +483,27 @@ def frontier_depths(lo: int, hi: int, step: int, points: int) -> list[int]:
 
 
 def frontier_table(rows: list[dict], depths: dict[str, PolicyDepths], points: int = 24,
-                   progress: Callable[[str], None] | None = None) -> list[dict]:
+                   progress: Callable[[str], None] | None = None, jobs: int = 1,
+                   detail: Callable[[str], None] | None = None) -> list[dict]:
     """Per policy, every depth (or a log grid of `points`) from plain 1F1B's deepest fit (or the policy's
     own, if shallower) to the policy's deepest fit: fits, tokens/s, and tokens/s x layers relative to plain
-    1F1B at its own deepest fit (the "comparable throughput" reading of ChronosPipe's claims)."""
+    1F1B at its own deepest fit (the "comparable throughput" reading of ChronosPipe's claims). `jobs` > 1
+    evaluates the grid in that many processes first."""
     ref = next((r for r in rows if r["policy"] == "1f1b" and r["max_layers"]), None)
     if ref is None:
         raise ScenarioError("capacity --frontier: needs the 1f1b policy and a depth at which it fits")
-    out = []
+    grid = {}
     for r in rows:
-        if not r["max_layers"]:
-            continue
+        if r["max_layers"]:
+            fits = depths[r["policy"]]
+            lo = min(fits.round_up(ref["max_layers"]), r["max_layers"])
+            grid[r["policy"]] = frontier_depths(lo, r["max_layers"], fits.step, points)
+    evaluate_all(depths, [(name, layers) for name, at in grid.items() for layers in at], jobs, detail)
+    out = []
+    for name, at in grid.items():
         if progress:
-            progress(r["policy"])
-        fits = depths[r["policy"]]
-        lo = min(fits.round_up(ref["max_layers"]), r["max_layers"])
-        for layers in frontier_depths(lo, r["max_layers"], fits.step, points):
-            out.append(frontier_row(r["policy"], fits(layers), ref["layer_tokens_per_s"]))
+            progress(name)
+        out += [frontier_row(name, depths[name](layers), ref["layer_tokens_per_s"]) for layers in at]
     return out
 
 

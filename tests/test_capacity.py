@@ -233,3 +233,19 @@ def test_chronos_fits_2_4x_plain_1f1b_s_depth_at_95_percent_of_its_per_layer_thr
     assert ev.fits and not ev.result.oom_over_limit
     ratio = ev.result.tokens_per_s * 80 / (plain.result.tokens_per_s * 32)
     assert ratio >= 0.95, ratio
+
+
+def test_worker_processes_give_the_serial_answer():
+    """--jobs: each policy's search in its own process, the target and frontier depths spread over them; every
+    row (floats included) and the depths evaluated are those of the serial run."""
+    from analysis.capacity import capacity_table, frontier_table
+
+    policies = ["1f1b", "v-half"]
+    runs = {}
+    for jobs in (1, 2):
+        depths: dict = {}
+        rows = capacity_table(SEVENTY, policies, depths=depths, jobs=jobs)
+        runs[jobs] = (rows, frontier_table(rows, depths, 3, jobs=jobs),
+                      {n: sorted(d.evaluated()) for n, d in depths.items()})
+    assert runs[1] == runs[2]
+    assert len(runs[2][1]) > len(policies)  # the frontier has depths to spread

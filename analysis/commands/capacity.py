@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from analysis.commands.simulate import add_scenario_argument, add_set_argument, scenario_overrides
 
@@ -31,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "that the answer must keep (default: 0.95)")
     parser.add_argument("--points", type=int, default=24,
                         help="with --frontier: depths per policy at most, log-spaced (default: 24)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="worker processes: each policy's depth search in one, the target and frontier depths "
+                             "spread over all; the same answer as --jobs 1 (default: this machine's CPUs)")
     parser.add_argument("--out", default="out/capacity", help="output folder (default: out/capacity)")
     add_force_argument(parser)
 
@@ -45,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from common.io import atomic_write_text
     from sim.config import load_scenario
     from sim.errors import ScenarioError
+    from sim.limits import MAX_JOBS
 
     if not 0 < args.min_throughput <= 10 or args.min_throughput != args.min_throughput:
         raise ScenarioError(f"--min-throughput: {args.min_throughput} must be in (0, 10] (1.0 = plain 1F1B's)")
@@ -52,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         raise ScenarioError(f"--points: {args.points} must be from 2 to 256")
     if not 0 < args.target_ratio <= 1000:  # NaN fails too
         raise ScenarioError(f"--target-ratio: {args.target_ratio}; give a multiple of 1F1B's depth in (0, 1000]")
+    if not 1 <= args.jobs <= MAX_JOBS:
+        raise ScenarioError(f"--jobs: {args.jobs}; must be 1..{MAX_JOBS}")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if args.frontier and "1f1b" not in policies:
         policies.insert(0, "1f1b")  # the reference every frontier row is measured against
@@ -66,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
             bar.update(task, description=f"capacity: {what}")
 
         rows = capacity_table(args.scenario, policies, progress=step, target_ratio=args.target_ratio,
-                              depths=depths, overrides=scenario_overrides(args), detail=detail)
-        frontier = frontier_table(rows, depths, args.points, progress=step) if args.frontier else None
+                              depths=depths, overrides=scenario_overrides(args), detail=detail, jobs=args.jobs)
+        frontier = (frontier_table(rows, depths, args.points, progress=step, jobs=args.jobs, detail=detail)
+                    if args.frontier else None)
     df = pd.DataFrame(rows)
     written = ["capacity.csv", "capacity.png"]
     with output_folder(args) as stage:
