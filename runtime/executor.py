@@ -13,7 +13,8 @@ clock on the CPU, CUDA events on the GPU), relative to the step's start, in the 
 the step's start is also kept on the host clock (`StepTrace.t0_s`), so that runtime/clock.py can put every
 rank's times on rank 0's clock.
 Saved-activation bytes are metered per chunk-microbatch (runtime/memory.py) from F until B/I frees them,
-plus what I queued for W, giving a per-rank live-activation timeline.
+plus what I queued for W, giving a per-rank live-activation timeline; a share of what I queued can wait for
+W in host memory (runtime/stash_offload.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runtime import stash_offload
 from runtime.memory import SavedTensors, param_storages
 from runtime.model import cross_entropy
 from runtime.p2p import P2P, Message, input_message
@@ -85,6 +87,8 @@ class StepTrace:
     activation_bytes: dict[int, list[int]] = field(default_factory=dict)  # stage -> saved bytes per F
     offloaded_bytes: int = 0
     prefetched_bytes: int = 0  # of those, brought back ahead of their backward (the rest on demand)
+    stash_offloaded_bytes: int = 0  # W stash moved to host after I
+    stash_prefetched_bytes: int = 0  # of those, brought back ahead of their W (the rest on demand)
     peak_activation_bytes: int = 0
     peak_device_bytes: int | None = None  # CUDA allocator peak over the step, optimizer step included
     t0_s: float = 0.0  # the step's start on this rank's host clock (runtime/clock.py aligns ranks with it)
@@ -95,6 +99,8 @@ class StepTrace:
                 "split": [(str(a), s, e) for a, s, e in self.split], "losses": dict(self.losses),
                 "memory": list(self.memory), "activation_bytes": dict(self.activation_bytes),
                 "offloaded_bytes": self.offloaded_bytes, "prefetched_bytes": self.prefetched_bytes,
+                "stash_offloaded_bytes": self.stash_offloaded_bytes,
+                "stash_prefetched_bytes": self.stash_prefetched_bytes,
                 "peak_activation_bytes": self.peak_activation_bytes,
                 "peak_device_bytes": self.peak_device_bytes, "t0_s": self.t0_s}
 
@@ -109,7 +115,8 @@ class PipelineExecutor:
                  device: torch.device, offload_share: float | Mapping[int, float] = 0.0,
                  profile_backward: bool = False,
                  autocast_dtype: torch.dtype | None = None, now: Callable[[], float] = time.perf_counter,
-                 offload_weights: Sequence[bool] | None = None, prefetch_lookahead: int = PREFETCH_ACTIONS):
+                 offload_weights: Sequence[bool] | None = None, prefetch_lookahead: int = PREFETCH_ACTIONS,
+                 offload_stash: float | Mapping[int, float] = 0.0):
         """`chunks` maps each stage this rank holds to its module; `profile_backward` runs every B as I then
         W back to back and reports both (pipeplan profile); `offload_share` of saved activations goes to host
         (one share, or one per stage);
@@ -117,7 +124,8 @@ class PipelineExecutor:
         replays the forward's casts) — the fp32 weights are the master copy, gradients accumulate in fp32,
         and the activations that cross stages are fp32 (residual adds promote). `offload_weights` (per chunk)
         moves the chunks' parameters to host memory in their idle windows (runtime/weight_offload.py);
-        `prefetch_lookahead` is how many actions ahead offloaded activations and weights come back."""
+        `prefetch_lookahead` is how many actions ahead offloaded activations, W stashes and weights come back;
+        `offload_stash` (one share, or one per stage) of each I's W stash goes to host until its W."""
         self.schedule, self.rank, self.chunks, self.p2p, self.device = schedule, rank, dict(chunks), p2p, device
         self.actions = schedule.ranks[rank]
         self.num_stages, self.m = schedule.num_stages, schedule.num_microbatches
@@ -127,7 +135,9 @@ class PipelineExecutor:
         self.clock = Clock(device, now)
         self.param_ptrs = {s: param_storages(c) for s, c in self.chunks.items()}
         self.params = {s: dict(c.named_parameters()) for s, c in self.chunks.items()}
-        offloads = any(x > 0 for x in self.offload_share.values())
+        self.stash_share = {s: float(offload_stash if isinstance(offload_stash, int | float) else offload_stash[s])
+                            for s in self.chunks}
+        offloads = any(x > 0 for x in (*self.offload_share.values(), *self.stash_share.values()))
         self.offload_stream = CopyStream(device) if offloads else None
         self.autocast_dtype = autocast_dtype
         self.lookahead = prefetch_lookahead
@@ -153,6 +163,9 @@ class PipelineExecutor:
         self._activation_log: dict[int, list[int]] = {}
         self._offloaded = self._prefetched = 0
         self.meters: dict[tuple[int, int], SavedTensors] = {}  # chunk-microbatches with offloaded tensors
+        self.stash_bytes: dict[tuple[int, int], tuple[int, int]] = {}  # W stash (device, host) bytes
+        self.stash_away: set[tuple[int, int]] = set()  # stashes with host copies not fetched yet
+        self._stash_offloaded = self._stash_prefetched = 0
         trace = StepTrace()
         self.clock.start()
         self.memory_marks.append((self.clock.t0, 0, 0))
@@ -168,6 +181,8 @@ class PipelineExecutor:
                     self.p2p.prefetch(msg)
             if self.meters:
                 self._prefetch_activations(i)
+            if self.stash_away:
+                self._prefetch_stash(i)
             if action.kind is Kind.F:
                 self._forward(action)
             elif action.kind is Kind.W:
@@ -188,7 +203,22 @@ class PipelineExecutor:
         trace.activation_bytes = self._activation_log
         trace.offloaded_bytes = self._offloaded
         trace.prefetched_bytes = self._prefetched
+        trace.stash_offloaded_bytes = self._stash_offloaded
+        trace.stash_prefetched_bytes = self._stash_prefetched
         return trace
+
+    def _prefetch_stash(self, i: int) -> None:
+        """Bring back the offloaded W stash of the W's at most `lookahead` actions from action i (the same rule
+        as activations'), on the copy stream."""
+        for a in self.actions[i : i + self.lookahead + 1]:
+            key = (a.stage, a.microbatch)
+            if a.kind is Kind.W and key in self.stash_away:
+                self.stash_away.discard(key)
+                moved = stash_offload.prefetch(self.stores[key])
+                self._stash_prefetched += moved
+                device_bytes, host_bytes = self.stash_bytes[key]
+                self.stash_bytes[key] = (device_bytes + host_bytes, 0)
+                self._track(self.clock.mark(), host_bytes, -host_bytes)
 
     def _prefetch_activations(self, i: int) -> None:
         """Bring back the offloaded activations of the backwards at most `lookahead` actions from action i (the
@@ -289,17 +319,26 @@ class PipelineExecutor:
         self._track(end, -device_bytes, -host_bytes)
         if a.kind is Kind.I:
             self.stores[key] = store
-            self._track(end, store.nbytes)
+            total = store.nbytes
+            moved = 0
+            if self.stash_share[a.stage] > 0 and total:
+                moved = stash_offload.offload(store, self.stash_share[a.stage], self.offload_stream)
+                self._stash_offloaded += moved
+                self.stash_away.add(key)
+            self.stash_bytes[key] = (total - moved, moved)
+            self._track(end, total - moved, moved)
         if a.stage > 0:
             if dx is None:
                 dx = torch.zeros(self.p2p.shape, dtype=self.p2p.dtype, device=self.device)
             self._output(Message(True, a.stage, a.microbatch), dx)
 
     def _weight(self, a: Action) -> None:
-        store = self.stores.pop((a.stage, a.microbatch))
-        nbytes = store.nbytes
+        key = (a.stage, a.microbatch)
+        store = self.stores.pop(key)
+        self.stash_away.discard(key)  # not prefetched: run() copies it back on demand
+        device_bytes, host_bytes = self.stash_bytes.pop(key)
         start = self.clock.mark()
         store.run()
         end = self.clock.mark()
         self.marks.append((a, start, end))
-        self._track(end, -nbytes)
+        self._track(end, -device_bytes, -host_bytes)

@@ -19,6 +19,8 @@ runtime recomputes:
                           chunk's saved bytes (its DRAM and NVMe layers; both go to host memory here), and
                           keep the optimizer state on the host on the ranks the plan says
     offload_weights       the chunk's parameters leave the device between uses (runtime/weight_offload.py)
+    offload_stash         the planned share of each I's W stash waits for its W in host memory
+                          (runtime/stash_offload.py)
 
 `SavedTensors` is a `saved_tensors_hooks` context around each forward. It counts the bytes autograd saves
 for the backward (each storage once; parameters are not activations): the CPU's measure of a chunk's
@@ -72,6 +74,7 @@ class RunMemory:
     chunks: list[ChunkMemory]  # per chunk
     states_on_host: list[bool]  # per rank: optimizer state and fp32 master weights in host memory
     weights_offloaded: list[bool] | None = None  # per chunk: parameters off the device between uses
+    stash_shares: list[float] | None = None  # per chunk: share of each W stash in host memory from I to W
 
     @property
     def offloads_weights(self) -> bool:
@@ -92,11 +95,7 @@ def run_memory(sc: Scenario, schedule: Schedule, choice: MemoryChoice | None = N
     mem = sc.memory
     resolved = resolve_memory_plan(sc, costs, schedule, choice)
     plan = resolved.plan
-    if plan.offloads_stash:  # the simulator and the planner move it; WeightGradStore keeps it on the device
-        field = "memory.plan" if resolved.choice is not None else "memory.offload_stash"
-        raise PipeplanError(f"{field}: the runtime does not offload the W stash (the plan moves "
-                            f"{plan.stash_offload_bytes.max() / 2**20:.1f} MiB of a chunk's stash); allowed: "
-                            "memory.offload_stash = 0, or a planned step without stash offload")
+    stash = _stash_shares(plan)
     if plan.layer_copies and plan.offloads:  # torch's saved-tensor offload here moves a chunk's activations at once
         raise PipeplanError('memory.copy_granularity: the runtime copies a chunk-microbatch\'s activations as one '
                             'copy; allowed: "chunk"')
@@ -106,7 +105,7 @@ def run_memory(sc: Scenario, schedule: Schedule, choice: MemoryChoice | None = N
             if c.recompute not in RECOMPUTE_WRAPPERS:
                 raise PipeplanError(f"memory.recompute: the runtime has no policy {c.recompute!r}; it runs "
                                     f"{', '.join(RECOMPUTE_WRAPPERS)} (and chronos, which resolves to them)")
-        return RunMemory(chunks, [mem.optimizer != "hbm"] * schedule.num_ranks, _weights(plan))
+        return RunMemory(chunks, [mem.optimizer != "hbm"] * schedule.num_ranks, _weights(plan), stash)
     k, j, layers = resolved.choice.recompute_layers, resolved.choice.op_recompute_layers, costs.detail.layers
     share = np.divide(plan.offload_bytes, plan.kept_bytes, out=np.zeros(len(layers)), where=plan.kept_bytes > 0)
     chunks = [
@@ -115,7 +114,15 @@ def run_memory(sc: Scenario, schedule: Schedule, choice: MemoryChoice | None = N
     ]
     on_host = resolved.choice.states_on_host
     states = [bool(x) for x in on_host] if mem.optimizer == "hbm" else [True] * schedule.num_ranks
-    return RunMemory(chunks, states, _weights(plan))
+    return RunMemory(chunks, states, _weights(plan), stash)
+
+
+def _stash_shares(plan) -> list[float] | None:
+    """Per chunk, the share of its W stash the plan moves to host memory (None: nothing moves)."""
+    if not plan.offloads_stash:
+        return None
+    moved, held = np.asarray(plan.stash_offload_bytes, float), np.asarray(plan.stash_bytes, float)
+    return [float(x) for x in np.divide(moved, held, out=np.zeros(len(held)), where=held > 0)]
 
 
 def _weights(plan) -> list[bool]:

@@ -153,6 +153,7 @@ def write_run(cfg: RunConfig, scenario: Scenario, schedule: Schedule, ranks: lis
         "peak_activation_rel_error": [rel_error(p, q) for p, q in zip(pred_act, peak_act, strict=True)],
         "static_bytes": [r["static_bytes"] for r in ranks],
         "offloaded_activation_bytes": [max(r["history"][i].trace.offloaded_bytes for i in idx) for r in ranks],
+        "offloaded_stash_bytes": [max(r["history"][i].trace.stash_offloaded_bytes for i in idx) for r in ranks],
         "device": ranks[0].get("device", "cpu"),
         "dtype": scenario.training.dtype,  # the forwards' autocast dtype over fp32 master weights (fp32: none)
         "backend": ranks[0].get("backend"),  # gloo on CPU or when ranks share GPUs (P2P via host), else nccl
@@ -163,6 +164,7 @@ def write_run(cfg: RunConfig, scenario: Scenario, schedule: Schedule, ranks: lis
         "optimizer_tier": scenario.memory.optimizer,
         "memory_plan": scenario.memory.plan,
         "offload_share_per_chunk": extra.get("offload_shares"),
+        "stash_offload_share_per_chunk": extra.get("stash_offload_shares"),
         "states_on_host_per_rank": extra.get("states_on_host"),
         "cpu_time_s": float(chosen["cpu_time_s"].median()),
         "clock": clock_summary(ranks, schedule, idx),

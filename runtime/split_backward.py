@@ -49,18 +49,34 @@ class WeightGradStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(x.nbytes + g.nbytes for x, g, _ in self.pending)
+        """The queued bytes, each storage once (wq, wk and wv queue one X three times), wherever they are."""
+        seen: dict[int, int] = {}
+        for x, grad_y, _ in self.pending:
+            for t in (x, grad_y):
+                seen[_storage(t)] = t.nbytes
+        return sum(seen.values())
 
     @torch.no_grad()  # a queued X may be an input that requires grad: dW must not grow a graph from it
     def run(self) -> None:
-        """The W pass: dW = dYᵀ X for every queued layer, accumulated into the weight's .grad (its dtype)."""
+        """The W pass: dW = dYᵀ X for every queued layer, accumulated into the weight's .grad (its dtype).
+        A queued tensor may be a host copy (runtime/stash_offload.py): its `get()` brings it back."""
         for x, grad_y, weight in self.pending:
+            x, grad_y = _on_device(x), _on_device(grad_y)
             dw = weight_grad(x, grad_y).to(weight.dtype)  # (out, in)
             if weight.grad is None:
                 weight.grad = dw
             else:
                 weight.grad += dw
         self.pending.clear()
+
+
+def _storage(t) -> int:
+    """A queued entry's identity: its storage (a device tensor), or the host copy standing in for one."""
+    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else id(t)
+
+
+def _on_device(t) -> torch.Tensor:
+    return t if isinstance(t, torch.Tensor) else t.get()
 
 
 def weight_grad(x: torch.Tensor, grad_y: torch.Tensor) -> torch.Tensor:

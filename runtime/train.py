@@ -135,7 +135,9 @@ class Trainer:
                                          autocast_dtype=AUTOCAST[self.scenario.training.dtype], now=self.now,
                                          offload_weights=self.memory.weights_offloaded
                                          if self.memory.offloads_weights else None,
-                                         prefetch_lookahead=self.scenario.memory.prefetch_lookahead)
+                                         prefetch_lookahead=self.scenario.memory.prefetch_lookahead,
+                                         offload_stash={s: self.memory.stash_shares[s] for s in self.stages}
+                                         if self.memory.stash_shares else 0.0)
         cap = cfg.freeze_cap if cfg.freeze_cap is not None else self.scenario.freeze.cap
         phases = FreezePhases(cfg.freeze, cap, cfg.freeze_warmup, cfg.freeze_monitor, cfg.freeze_ramp,
                               cfg.freeze_redraw, self.scenario.freeze.max_ratio)

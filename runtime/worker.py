@@ -151,6 +151,7 @@ def run_job(cfg: RunConfig, rank: int, world: int, device: torch.device) -> None
                  "unfrozen_makespan_s": trainer.freezer.unfrozen_makespan_s,
                  "policies": trainer.policies,
                  "offload_shares": [c.offload_share for c in trainer.memory.chunks],
+                 "stash_offload_shares": trainer.memory.stash_shares or [0.0] * len(trainer.memory.chunks),
                  "states_on_host": trainer.memory.states_on_host}
         (write_profile if cfg.profile else write_run)(cfg, trainer.scenario, trainer.schedule, gathered, extra)
     dist.barrier()

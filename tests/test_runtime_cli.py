@@ -112,6 +112,23 @@ def test_run_executes_torchtitans_op_level_recompute(scenario, tmp_path):
                                          summary["predicted_peak_activation_bytes"], strict=True))
 
 
+def test_run_offloads_the_w_stash_to_the_same_losses(scenario, tmp_path):
+    """`memory.offload_stash` under torchrun (zb-h1's split backward): half of every W stash waits in host
+    memory from I to W, and the losses are those of the stash kept on the device, bit for bit."""
+    runs = {}
+    for share in (0.0, 0.5):
+        out = tmp_path / f"stash{share}"
+        proc = pipeplan("run", scenario, "--steps", "2", "--data", "synthetic", "--set",
+                        f"memory.offload_stash={share}", "--out", str(out))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[share] = (json.loads((out / "summary.json").read_text()), pd.read_csv(out / "metrics.csv"))
+    summary, metrics = runs[0.5]
+    assert summary["stash_offload_share_per_chunk"] == [0.5, 0.5]
+    assert runs[0.0][0]["stash_offload_share_per_chunk"] == [0.0, 0.0]
+    assert all(b > 0 for b in summary["offloaded_stash_bytes"])
+    assert list(metrics["loss"]) == list(runs[0.0][1]["loss"])
+
+
 def test_a_failing_rank_stops_every_rank_with_its_error(scenario, tmp_path):
     out = tmp_path / "failed"
     start = time.monotonic()

@@ -10,7 +10,6 @@ import dataclasses
 import numpy as np
 import pytest
 
-from analysis.cli import main
 from scenarios import scenario_path
 from sim.config import load_scenario
 from sim.costs import build_cost_table
@@ -137,14 +136,90 @@ def test_planner_offloads_the_stash_where_nothing_else_fits_and_predicts_the_ste
         plan_memory(load_scenario(SEVENTY, {**over, "memory.offload_stash": 0.0}), costs, sched)
 
 
-def test_runtime_refuses_a_stash_offload_in_one_line(tmp_path, capsys, monkeypatch):
-    import runtime.launch
+def _zbv_stash_run(share, lookahead=1):
+    """One rank holding both chunks of a ZB-V (4 microbatches, split backward), W stash share `share` to host."""
+    import torch
 
-    monkeypatch.setattr(runtime.launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
-    text = scenario_path("tiny-cpu").read_text().replace('schedule = "1f1b"', 'schedule = "zbv"').replace(
-        "virtual_stages = 1", "virtual_stages = 2").replace("[memory]\n", "[memory]\noffload_stash = 0.5\n")
-    path = tmp_path / "stash.toml"
-    path.write_text(text)
-    assert main(["run", str(path), "--out", str(tmp_path / "x")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "memory.offload_stash: the runtime does not offload the W stash" in err
+    from runtime.executor import PipelineExecutor
+    from runtime.model import ModelArgs
+    from runtime.p2p import P2P
+    from runtime.split_backward import enable_split_backward
+    from runtime.stages import build_chunk, layer_ranges
+    from sim.schedules import build_schedule
+    from tests.test_runtime_model import batches
+
+    args = ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab=256, seq_len=16)
+    cpu = torch.device("cpu")
+    sched = build_schedule("zbv", 1, 4, 2)
+    torch.manual_seed(0)
+    chunks = {s: enable_split_backward(build_chunk(args, s, layer_ranges([2, 2]), cpu)) for s in range(2)}
+    p2p = P2P(sched, 0, (2, args.seq_len, args.dim), torch.float32, cpu)
+    ex = PipelineExecutor(sched, 0, chunks, p2p, cpu, offload_stash=share, prefetch_lookahead=lookahead)
+    trace = ex.run_step(batches(4, 0))
+    grads = {(s, n): p.grad.clone() for s, c in chunks.items() for n, p in c.named_parameters()}
+    return trace, grads
+
+
+@pytest.mark.parametrize("share,lookahead", [(0.5, 1), (1.0, 1), (1.0, 0)])
+def test_the_runtime_moves_the_w_stash_share_and_trains_bit_for_bit(share, lookahead):
+    """The planned share of each I's W stash goes to host after I and comes back before its W (with lookahead
+    0 as the W starts); the gradients and losses are those of the stash kept on the device, bit for bit; the
+    device holds less between I and W; every stash, device and host, is released by its W."""
+    import torch
+
+    kept, kept_grads = _zbv_stash_run(0.0)
+    trace, grads = _zbv_stash_run(share, lookahead)
+    assert trace.losses == kept.losses
+    assert all(torch.equal(grads[k], kept_grads[k]) for k in kept_grads)
+    assert kept.stash_offloaded_bytes == 0 < trace.stash_offloaded_bytes == trace.stash_prefetched_bytes
+    assert max(h for _, _, h in trace.memory) > 0 == max(h for _, _, h in kept.memory)
+    assert max(d for _, d, _ in trace.memory) <= max(d for _, d, _ in kept.memory)
+    assert trace.memory[-1][1:] == (0, 0)
+    if share < 1:
+        everything = _zbv_stash_run(1.0)[0].stash_offloaded_bytes
+        assert share * everything <= trace.stash_offloaded_bytes < everything
+
+
+def test_a_stash_share_is_whole_tensors_each_storage_once():
+    """offload(store, share) moves the shortest prefix of the queue's distinct tensors that reaches the share:
+    at least share x the stash's bytes, less than that plus one tensor. wq, wk and wv queue one X: it moves
+    (and counts) once."""
+    import torch
+
+    from runtime.model import ModelArgs
+    from runtime.split_backward import WeightGradStore, enable_split_backward
+    from runtime.stages import build_chunk, layer_ranges
+    from runtime.stash_offload import HostCopy, offload, prefetch
+    from runtime.streams import CopyStream
+
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab=256, seq_len=16)
+    cpu = torch.device("cpu")
+    for share in (0.3, 0.5, 1.0):
+        torch.manual_seed(0)
+        chunk = enable_split_backward(build_chunk(args, 0, layer_ranges([2]), cpu))
+        store = WeightGradStore()
+        with store.capture():
+            chunk(torch.randint(0, 256, (2, 16))).float().pow(2).mean().backward()
+        raw = sum(x.nbytes + g.nbytes for x, g, _ in store.pending)
+        total = store.nbytes
+        assert total < raw  # shared inputs count once
+        largest = max(t.nbytes for x, g, _ in store.pending for t in (x, g))
+        moved = offload(store, share, CopyStream(cpu))
+        assert share * total <= moved < share * total + largest
+        assert store.nbytes == total  # the same bytes, part of them on the host
+        copies = {id(t) for x, g, _ in store.pending for t in (x, g) if isinstance(t, HostCopy)}
+        assert sum(t.nbytes for t in {id(t): t for x, g, _ in store.pending for t in (x, g)
+                                      if isinstance(t, HostCopy)}.values()) == moved and copies
+        assert prefetch(store) == moved and prefetch(store) == 0  # each copy comes back once
+
+
+def test_run_memory_hands_the_plans_stash_share_to_the_ranks():
+    from runtime.memory import run_memory
+    from sim.step import resolve_schedule
+
+    text = {"pipeline.schedule": "zbv", "pipeline.virtual_stages": 2, "memory.offload_stash": 0.5}
+    sc = load_scenario(scenario_path("tiny-cpu"), text)
+    mem = run_memory(sc, resolve_schedule(sc))
+    assert mem.stash_shares == pytest.approx([0.5] * sc.num_chunks)
+    plain = load_scenario(scenario_path("tiny-cpu"))
+    assert run_memory(plain, resolve_schedule(plain)).stash_shares is None
