@@ -80,7 +80,7 @@ POLICIES: dict[str, Policy] = _by_name(
         Policy("chronos+recomp+offload+stash", "chronos", 2, {"memory.plan": True, "memory.offload_weights": "auto",
                                                               "memory.offload_stash": "auto"}, joint=True,
                by_default=False),
-        # + copies that move layer by layer (memory.copy_granularity = "layer"; the runtime copies whole chunks)
+        # + copies that move layer by layer (memory.copy_granularity = "layer"; the runtime copies tensor by tensor)
         Policy("chronos+recomp+offload+stash+layers", "chronos", 2,
                {"memory.plan": True, "memory.offload_weights": "auto", "memory.offload_stash": "auto",
                 "memory.copy_granularity": "layer"}, joint=True, by_default=False),

@@ -96,9 +96,6 @@ def run_memory(sc: Scenario, schedule: Schedule, choice: MemoryChoice | None = N
     resolved = resolve_memory_plan(sc, costs, schedule, choice)
     plan = resolved.plan
     stash = _stash_shares(plan)
-    if plan.layer_copies and plan.offloads:  # torch's saved-tensor offload here moves a chunk's activations at once
-        raise PipeplanError('memory.copy_granularity: the runtime copies a chunk-microbatch\'s activations as one '
-                            'copy; allowed: "chunk"')
     if resolved.choice is None:
         chunks = [ChunkMemory(p.removeprefix("chronos:"), mem.offload_activations, None, p) for p in plan.policy]
         for c in chunks:
@@ -298,9 +295,10 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
         return handle
 
     def prefetch(self) -> int:
-        """Issue the copies back to the device for every offloaded tensor not yet on its way; the bytes."""
+        """Issue the copies back to the device for every offloaded tensor not yet on its way, the last saved
+        first (the backward needs it first: sim.graph.LayerCopy's order); the bytes."""
         moved = 0
-        for h in self.offloaded:
+        for h in reversed(self.offloaded):
             if h.back is not None:
                 continue
             with self.stream.use():  # after the offload copy: the same stream runs them in order

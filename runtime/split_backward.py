@@ -58,9 +58,11 @@ class WeightGradStore:
 
     @torch.no_grad()  # a queued X may be an input that requires grad: dW must not grow a graph from it
     def run(self) -> None:
-        """The W pass: dW = dYᵀ X for every queued layer, accumulated into the weight's .grad (its dtype).
-        A queued tensor may be a host copy (runtime/stash_offload.py): its `get()` brings it back."""
-        for x, grad_y, weight in self.pending:
+        """The W pass: dW = dYᵀ X for every queued layer, accumulated into the weight's .grad (its dtype), in
+        the reverse of I's order (the first layer first, as sim.graph.LayerCopy has W run: what I queued first,
+        and an offloaded stash moves first, is needed last). A queued tensor may be a host copy
+        (runtime/stash_offload.py): its `get()` brings it back."""
+        for x, grad_y, weight in reversed(self.pending):
             x, grad_y = _on_device(x), _on_device(grad_y)
             dw = weight_grad(x, grad_y).to(weight.dtype)  # (out, in)
             if weight.grad is None:

@@ -6,8 +6,9 @@ and the output gradient dY of its weight GEMM. `offload` walks the queue in orde
 each storage once (wq, wk and wv share one X), until the share of the stash's bytes is on its way out: the
 simulator's byte share to within one tensor. Copies run on the copy stream (runtime/streams.py: a CUDA side
 stream into pinned memory; inline on the CPU), after the compute that made the tensor; `prefetch` issues the
-copies back when the rank starts the action `prefetch_lookahead` places before the W (sim.graph's rule);
-`HostCopy.get` makes W's compute wait for that copy, or copies back on demand if no prefetch was issued.
+copies back when the rank starts the action `prefetch_lookahead` places before the W (sim.graph's rule), in
+the order W needs them; `HostCopy.get` makes W's compute wait for that copy (each tensor its own), or copies
+back on demand if no prefetch was issued.
 """
 
 from __future__ import annotations
@@ -73,9 +74,10 @@ def offload(store: WeightGradStore, share: float, stream: CopyStream) -> int:
 
 
 def prefetch(store: WeightGradStore) -> int:
-    """Issue the copies back for every offloaded tensor not on its way yet; the bytes."""
+    """Issue the copies back for every offloaded tensor not on its way yet, in the order W needs them (it runs
+    the queue backwards: WeightGradStore.run); the bytes."""
     moved, seen = 0, set()
-    for x, grad_y, _ in store.pending:
+    for x, grad_y, _ in reversed(store.pending):
         for t in (x, grad_y):
             if isinstance(t, HostCopy) and t.back is None and id(t) not in seen:
                 seen.add(id(t))

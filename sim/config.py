@@ -448,7 +448,7 @@ class MemoryConfig(_Section):
     """How an offloaded activation or W-stash copy moves: chunk (one copy per chunk and microbatch, after the
     producing action ends and before the consumer starts) | layer (layer by layer: the copy out starts when the
     producer's first offloaded layer is done, and the consumer runs its layers that need nothing from the host
-    while the rest comes back; sim.graph.layer_copy). The runtime and the freeze planner take chunk only."""
+    while the rest comes back; sim.graph.layer_copy). The freeze planner takes chunk only."""
     plan: bool = False
     """Let the MILP memory planner choose recompute/offload per chunk (ignores recompute/offload_activations)."""
     plan_recompute: Literal["full", "full+op"] = "full+op"

@@ -114,19 +114,24 @@ def test_run_executes_torchtitans_op_level_recompute(scenario, tmp_path):
 
 def test_run_offloads_the_w_stash_to_the_same_losses(scenario, tmp_path):
     """`memory.offload_stash` under torchrun (zb-h1's split backward): half of every W stash waits in host
-    memory from I to W, and the losses are those of the stash kept on the device, bit for bit."""
+    memory from I to W, and the losses are those of the stash kept on the device, bit for bit; so with
+    activations offloaded too and copies moving layer by layer (memory.copy_granularity = "layer")."""
     runs = {}
-    for share in (0.0, 0.5):
-        out = tmp_path / f"stash{share}"
-        proc = pipeplan("run", scenario, "--steps", "2", "--data", "synthetic", "--set",
-                        f"memory.offload_stash={share}", "--out", str(out))
+    for name, keys in (("kept", ["memory.offload_stash=0"]), ("stash", ["memory.offload_stash=0.5"]),
+                       ("layers", ["memory.offload_stash=0.5", "memory.offload_activations=0.5",
+                                   "memory.copy_granularity=\"layer\""])):
+        out = tmp_path / name
+        sets = [arg for key in keys for arg in ("--set", key)]
+        proc = pipeplan("run", scenario, "--steps", "2", "--data", "synthetic", *sets, "--out", str(out))
         assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[share] = (json.loads((out / "summary.json").read_text()), pd.read_csv(out / "metrics.csv"))
-    summary, metrics = runs[0.5]
-    assert summary["stash_offload_share_per_chunk"] == [0.5, 0.5]
-    assert runs[0.0][0]["stash_offload_share_per_chunk"] == [0.0, 0.0]
-    assert all(b > 0 for b in summary["offloaded_stash_bytes"])
-    assert list(metrics["loss"]) == list(runs[0.0][1]["loss"])
+        runs[name] = (json.loads((out / "summary.json").read_text()), pd.read_csv(out / "metrics.csv"))
+    assert runs["kept"][0]["stash_offload_share_per_chunk"] == [0.0, 0.0]
+    for name in ("stash", "layers"):
+        summary, metrics = runs[name]
+        assert summary["stash_offload_share_per_chunk"] == [0.5, 0.5]
+        assert all(b > 0 for b in summary["offloaded_stash_bytes"])
+        assert list(metrics["loss"]) == list(runs["kept"][1]["loss"])
+    assert all(b > 0 for b in runs["layers"][0]["offloaded_activation_bytes"])
 
 
 def test_a_failing_rank_stops_every_rank_with_its_error(scenario, tmp_path):

@@ -180,7 +180,7 @@ def test_the_runtime_moves_the_w_stash_share_and_trains_bit_for_bit(share, looka
         assert share * everything <= trace.stash_offloaded_bytes < everything
 
 
-def test_a_stash_share_is_whole_tensors_each_storage_once():
+def test_a_stash_share_is_whole_tensors_each_storage_once(monkeypatch):
     """offload(store, share) moves the shortest prefix of the queue's distinct tensors that reaches the share:
     at least share x the stash's bytes, less than that plus one tensor. wq, wk and wv queue one X: it moves
     (and counts) once."""
@@ -194,7 +194,11 @@ def test_a_stash_share_is_whole_tensors_each_storage_once():
 
     args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab=256, seq_len=16)
     cpu = torch.device("cpu")
+    order: list[int] = []  # the copies back, as issued
+    real_fetch = HostCopy.fetch
+    monkeypatch.setattr(HostCopy, "fetch", lambda self: (order.append(id(self)), real_fetch(self))[1])
     for share in (0.3, 0.5, 1.0):
+        order.clear()
         torch.manual_seed(0)
         chunk = enable_split_backward(build_chunk(args, 0, layer_ranges([2]), cpu))
         store = WeightGradStore()
@@ -211,6 +215,9 @@ def test_a_stash_share_is_whole_tensors_each_storage_once():
         assert sum(t.nbytes for t in {id(t): t for x, g, _ in store.pending for t in (x, g)
                                       if isinstance(t, HostCopy)}.values()) == moved and copies
         assert prefetch(store) == moved and prefetch(store) == 0  # each copy comes back once
+        # in the order W needs them: it runs the queue backwards
+        needed = dict.fromkeys(id(t) for x, g, _ in reversed(store.pending) for t in (x, g) if isinstance(t, HostCopy))
+        assert order == list(needed)
 
 
 def test_run_memory_hands_the_plans_stash_share_to_the_ranks():
