@@ -19,7 +19,7 @@ Evaluations are deterministic and independent of each other, so with `jobs` > 1 
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
@@ -328,10 +328,15 @@ class PolicyDepths:
         return max(self.step, -(-int(layers * 1000) // (1000 * self.step)) * self.step)
 
 
-def _pool(jobs: int) -> ProcessPoolExecutor:
-    """`jobs` fresh worker processes (spawned, not forked: HiGHS keeps one thread pool per process,
-    solver/highs.py, which a forked child would inherit in whatever state the parent left it)."""
-    return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+def _in_workers(jobs: int, calls: dict[Hashable, tuple[Callable, tuple]]) -> Iterator[tuple[Hashable, Any]]:
+    """Run each `key: (function, args)` in up to `jobs` fresh worker processes and yield (key, result) as each
+    finishes (spawned, not forked: HiGHS keeps one thread pool per process, solver/highs.py, which a forked
+    child would inherit in whatever state the parent left it)."""
+    with ProcessPoolExecutor(max_workers=min(jobs, len(calls)), mp_context=multiprocessing.get_context("spawn")
+                             ) as pool:
+        futures = {pool.submit(function, *args): key for key, (function, args) in calls.items()}
+        for done in as_completed(futures):
+            yield futures[done], done.result()
 
 
 def _search(sc_path: str | None, overrides: dict[str, Any], name: str, stages: int, own: int
@@ -352,13 +357,11 @@ def _search_all(depths: dict[str, PolicyDepths], own: int, jobs: int,
     names = sorted(depths, key=lambda n: (not depths[n].policy.planner, not depths[n].policy.joint))
     if len(names) <= 1:  # no company: the caller's own search is as fast
         return
-    with _pool(min(jobs, len(names))) as pool:
-        futures = {pool.submit(_search, depths[n].sc_path, depths[n].overrides, n, depths[n].stages, own): n
-                   for n in names}
-        for done in as_completed(futures):
-            depths[futures[done]].store(done.result())
-            if detail:
-                detail(f"{futures[done]}: depth found")
+    calls = {n: (_search, (depths[n].sc_path, depths[n].overrides, n, depths[n].stages, own)) for n in names}
+    for n, evaluations in _in_workers(jobs, calls):
+        depths[n].store(evaluations)
+        if detail:
+            detail(f"{n}: depth found")
 
 
 def evaluate_all(depths: dict[str, PolicyDepths], pairs: Iterable[tuple[str, int]], jobs: int = 1,
@@ -370,14 +373,12 @@ def evaluate_all(depths: dict[str, PolicyDepths], pairs: Iterable[tuple[str, int
         for n, layers in todo:
             depths[n](layers)
         return
-    with _pool(min(jobs, len(todo))) as pool:
-        futures = {pool.submit(evaluate, depths[n].sc_path, depths[n].overrides, depths[n].policy, layers):
-                   (n, layers) for n, layers in todo}
-        for done in as_completed(futures):
-            n, layers = futures[done]
-            depths[n].store({layers: done.result()})
-            if detail:
-                detail(f"{n} at {layers} layers")
+    calls = {(n, layers): (evaluate, (depths[n].sc_path, depths[n].overrides, depths[n].policy, layers))
+             for n, layers in todo}
+    for (n, layers), ev in _in_workers(jobs, calls):
+        depths[n].store({layers: ev})
+        if detail:
+            detail(f"{n} at {layers} layers")
 
 
 def capacity_table(

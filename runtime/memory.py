@@ -49,7 +49,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from runtime.streams import CopyStream
+from runtime.streams import CopyStream, HostCopy
 from sim.config import Scenario
 from sim.errors import PipeplanError
 from sim.ir import Schedule
@@ -104,7 +104,7 @@ def run_memory(sc: Scenario, schedule: Schedule, choice: MemoryChoice | None = N
                                     f"{', '.join(RECOMPUTE_WRAPPERS)} (and chronos, which resolves to them)")
         return RunMemory(chunks, [mem.optimizer != "hbm"] * schedule.num_ranks, _weights(plan), stash)
     k, j, layers = resolved.choice.recompute_layers, resolved.choice.op_recompute_layers, costs.detail.layers
-    share = np.divide(plan.offload_bytes, plan.kept_bytes, out=np.zeros(len(layers)), where=plan.kept_bytes > 0)
+    share = _shares(plan.offload_bytes, plan.kept_bytes)
     chunks = [
         ChunkMemory("full" if k[c] else "none", abs(float(share[c])), int(k[c]), plan.policy[c], int(j[c]))
         for c in range(len(layers))
@@ -118,8 +118,13 @@ def _stash_shares(plan) -> list[float] | None:
     """Per chunk, the share of its W stash the plan moves to host memory (None: nothing moves)."""
     if not plan.offloads_stash:
         return None
-    moved, held = np.asarray(plan.stash_offload_bytes, float), np.asarray(plan.stash_bytes, float)
-    return [float(x) for x in np.divide(moved, held, out=np.zeros(len(held)), where=held > 0)]
+    return [float(x) for x in _shares(plan.stash_offload_bytes, plan.stash_bytes)]
+
+
+def _shares(part, whole) -> np.ndarray:
+    """Per chunk, part / whole (0 where the chunk holds nothing)."""
+    part, whole = np.asarray(part, float), np.asarray(whole, float)
+    return np.divide(part, whole, out=np.zeros(len(whole)), where=whole > 0)
 
 
 def _weights(plan) -> list[bool]:
@@ -222,17 +227,6 @@ def _op_contexts():
     return create_selective_checkpoint_contexts(op_policy())
 
 
-class Offloaded:
-    """One saved tensor in host memory: how it left the device, and (once prefetched) its way back."""
-
-    __slots__ = ("back", "back_done", "device", "done", "host")
-
-    def __init__(self, host: torch.Tensor, device: torch.device, done: torch.cuda.Event | None):
-        self.host, self.device, self.done = host, device, done
-        self.back: torch.Tensor | None = None  # the device copy, once prefetch issued it
-        self.back_done: torch.cuda.Event | None = None
-
-
 class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
     """Meter (and offload a share of) what autograd saves inside the context; see the module docstring."""
 
@@ -243,7 +237,7 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
         self.seen: set[int] = set()
         self.device_bytes = 0  # saved activations that stay on the device
         self.host_bytes = 0  # saved activations moved to host memory
-        self.offloaded: list[Offloaded] = []
+        self.offloaded: list[HostCopy] = []
         self.prefetched_bytes = 0  # brought back by prefetch, ahead of the backward
         self.demand_bytes = 0  # brought back only when the backward asked
         super().__init__(self._pack, self._unpack)
@@ -284,13 +278,7 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
         self.host_bytes += size
         if self.stream is None:
             self.stream = CopyStream(t.device)
-        stream = self.stream
-        host = stream.host_empty(t.shape, t.dtype)
-        stream.wait_for_compute()
-        with stream.use():
-            host.copy_(t.detach(), non_blocking=True)
-        stream.keep_alive(t)  # t's memory is not reused before the copy ran
-        handle = Offloaded(host, t.device, stream.record())
+        handle = HostCopy(t, self.stream)
         self.offloaded.append(handle)
         return handle
 
@@ -299,25 +287,18 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
         first (the backward needs it first: sim.graph.LayerCopy's order); the bytes."""
         moved = 0
         for h in reversed(self.offloaded):
-            if h.back is not None:
-                continue
-            with self.stream.use():  # after the offload copy: the same stream runs them in order
-                h.back = h.host.to(h.device, non_blocking=True)
-            h.back_done = self.stream.record()
-            moved += h.host.untyped_storage().nbytes()
+            if h.back is None:
+                h.fetch()
+                moved += h.nbytes
         self.prefetched_bytes += moved
         return moved
 
     def _unpack(self, packed):
-        if not isinstance(packed, Offloaded):
+        if not isinstance(packed, HostCopy):
             return packed
-        if packed.back is None:  # not prefetched: copy back now, on the compute stream
-            CopyStream.wait(packed.done)
-            self.demand_bytes += packed.host.untyped_storage().nbytes()
-            return packed.host.to(packed.device, non_blocking=True)
-        CopyStream.wait(packed.back_done)
-        CopyStream.hand_over(packed.back)
-        return packed.back
+        if packed.back is None:  # not prefetched: copied back now, on the compute stream
+            self.demand_bytes += packed.nbytes
+        return packed.get()
 
 
 def param_storages(module: nn.Module) -> set[int]:

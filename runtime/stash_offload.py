@@ -5,7 +5,8 @@ A chunk-microbatch's stash is its `WeightGradStore` (runtime/split_backward.py):
 and the output gradient dY of its weight GEMM. `offload` walks the queue in order and moves whole tensors,
 each storage once (wq, wk and wv share one X), until the share of the stash's bytes is on its way out: the
 simulator's byte share to within one tensor. Copies run on the copy stream (runtime/streams.py: a CUDA side
-stream into pinned memory; inline on the CPU), after the compute that made the tensor; `prefetch` issues the
+stream into pinned memory; inline on the CPU; `HostCopy`, as for offloaded activations), after the compute
+that made the tensor; `prefetch` issues the
 copies back when the rank starts the action `prefetch_lookahead` places before the W (sim.graph's rule), in
 the order W needs them; `HostCopy.get` makes W's compute wait for that copy (each tensor its own), or copies
 back on demand if no prefetch was issued.
@@ -16,40 +17,7 @@ from __future__ import annotations
 import torch
 
 from runtime.split_backward import WeightGradStore
-from runtime.streams import CopyStream
-
-
-class HostCopy:
-    """One stash tensor in host memory: its copy out, and its copy back once `fetch` issued it."""
-
-    def __init__(self, t: torch.Tensor, stream: CopyStream):
-        self.device, self.stream = t.device, stream
-        self.host = stream.host_empty(t.shape, t.dtype)
-        stream.wait_for_compute()
-        with stream.use():
-            self.host.copy_(t.detach(), non_blocking=True)
-        stream.keep_alive(t)  # t's memory is not reused before the copy ran
-        self.out = stream.record()
-        self.back: torch.Tensor | None = None
-        self.back_done: torch.cuda.Event | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.host.nbytes
-
-    def fetch(self) -> None:
-        with self.stream.use():  # after the copy out: the same stream runs them in order
-            self.back = self.host.to(self.device, non_blocking=True)
-        self.back_done = self.stream.record()
-
-    def get(self) -> torch.Tensor:
-        """The tensor on its device, for W: prefetched (wait for that copy), or copied back now."""
-        if self.back is None:
-            CopyStream.wait(self.out)
-            return self.host.to(self.device, non_blocking=True)
-        CopyStream.wait(self.back_done)
-        CopyStream.hand_over(self.back)
-        return self.back
+from runtime.streams import CopyStream, HostCopy
 
 
 def offload(store: WeightGradStore, share: float, stream: CopyStream) -> int:

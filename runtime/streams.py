@@ -6,6 +6,7 @@ into pinned host memory, so they are asynchronous DMA; ordering is then by event
 for the compute that produced a tensor, and the compute stream waits for the copy before it uses the
 result. `CopyStream` is that protocol with one implementation per device type: on the CPU there is no
 stream, every call runs inline and events are None, so the CPU runs (and tests) the very same code path.
+`HostCopy` is one tensor moved out and back under that protocol.
 """
 
 from __future__ import annotations
@@ -75,3 +76,38 @@ class CopyStream:
         """Make the compute stream wait for a copy (no-op for the CPU's None)."""
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
+
+
+class HostCopy:
+    """One tensor in host memory (an offloaded activation, runtime/memory.py; a W stash tensor,
+    runtime/stash_offload.py): its copy out on `stream`, and its copy back once `fetch` issued it."""
+
+    def __init__(self, t: torch.Tensor, stream: CopyStream):
+        self.device, self.stream = t.device, stream
+        self.host = stream.host_empty(t.shape, t.dtype)
+        stream.wait_for_compute()
+        with stream.use():
+            self.host.copy_(t.detach(), non_blocking=True)
+        stream.keep_alive(t)  # t's memory is not reused before the copy ran
+        self.out = stream.record()
+        self.back: torch.Tensor | None = None
+        self.back_done: torch.cuda.Event | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.untyped_storage().nbytes()
+
+    def fetch(self) -> None:
+        with self.stream.use():  # after the copy out: the same stream runs them in order
+            self.back = self.host.to(self.device, non_blocking=True)
+        self.back_done = self.stream.record()
+
+    def get(self) -> torch.Tensor:
+        """The tensor on its device, for its user: prefetched (wait for that copy), or copied back now, on the
+        compute stream."""
+        if self.back is None:
+            CopyStream.wait(self.out)
+            return self.host.to(self.device, non_blocking=True)
+        CopyStream.wait(self.back_done)
+        CopyStream.hand_over(self.back)
+        return self.back

@@ -149,13 +149,11 @@ class MemoryChoice:
 
     @property
     def stash_offload_layers(self) -> np.ndarray:
-        n = len(self.recompute_layers)
-        return np.zeros(n) if self.stash_layers is None else np.asarray(self.stash_layers, float)
+        return or_zeros(self.stash_layers, len(self.recompute_layers))
 
     @property
     def op_recompute_layers(self) -> np.ndarray:
-        n = len(self.recompute_layers)
-        return np.zeros(n) if self.op_layers is None else np.asarray(self.op_layers, float)
+        return or_zeros(self.op_layers, len(self.recompute_layers))
 
     def to_dict(self) -> dict[str, list]:
         return {"recompute_layers": [int(x) for x in self.recompute_layers],
