@@ -21,7 +21,7 @@ from __future__ import annotations
 import multiprocessing
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -98,6 +98,7 @@ class Evaluation:
     variant: str = ""  # a joint policy's choice at this depth, e.g. "v=4 cap=32"
     unknown: bool = False  # the MILP hit its safety time limit: neither a fit nor no fit (`fits` is False)
     note: str = ""  # why unknown, or that the plan is the MILP's unproven incumbent
+    micro_batch_size: int | None = None  # the size evaluated, or chosen from several (evaluate_sizes)
 
 
 JOINT_V = (2, 4)  # chunks per rank a joint chronos policy tries (even, as its zig-zag placement needs)
@@ -180,11 +181,13 @@ def variant_label(var: dict[str, Any]) -> str:
 
 
 def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy, layers: int,
-             bounds: dict | None = None) -> Evaluation:
+             bounds: dict | None = None, floor: float = 0.0) -> Evaluation:
     """Simulate (or plan and simulate) the scenario at `layers` under `policy`; a joint policy searches its
-    variants (module docstring), `bounds` caching their keep-everything runs across policies."""
+    variants (module docstring), `bounds` caching their keep-everything runs across policies. A planner skips
+    the MILP on orders that cannot beat `floor` tokens/s (a plan found elsewhere, e.g. at another micro-batch
+    size), so it may then return a slower plan or none."""
     if policy.joint:
-        return _evaluate_joint(sc_path, base_overrides, policy, layers, {} if bounds is None else bounds)
+        return _evaluate_joint(sc_path, base_overrides, policy, layers, {} if bounds is None else bounds, floor)
     overrides = {
         **base_overrides,
         "pipeline.schedule": policy.schedule,
@@ -212,7 +215,7 @@ def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy
 
 
 def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy, layers: int,
-                    runs: dict) -> Evaluation:
+                    runs: dict, floor: float = 0.0) -> Evaluation:
     """The fastest fitting variant of a joint policy (module docstring). `runs` caches every (depth, variant,
     treatment) run across the chronos policies. The planner's candidates are every variant's keep-everything
     plan (in the MILP's plan space) and the MILP's own plan for the variants `planned_variant` names, tried in
@@ -221,7 +224,7 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
 
     def run(var: dict[str, Any], treatment: tuple[tuple[str, Any], ...]) -> tuple[tuple, Evaluation]:
         v = var["pipeline.virtual_stages"]
-        key = (layers, variant_label(var), treatment)
+        key = (layers, sc.training.micro_batch_size, sc.pipeline.microbatches, variant_label(var), treatment)
         if key not in runs:
             runs[key] = evaluate(sc_path, {**base_overrides, **var}, Policy(policy.name, "chronos", v, dict(treatment)),
                                  layers)
@@ -238,7 +241,7 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
         bounds = sorted(((run(var, KEEP)[1].result.tokens_per_s, var) for var in planned), key=lambda b: -b[0])
         for bound, var in bounds:
             best = _fastest(tried)
-            if best is not None and best[1].result.tokens_per_s >= bound:
+            if max(floor, best[1].result.tokens_per_s if best is not None else 0.0) >= bound:
                 break  # no memory treatment of the remaining orders can be faster
             tried.append(run(var, planner_treatment(treatment, var)))
     best = _fastest(tried)
@@ -247,7 +250,7 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
         if timed_out is not None:  # some variant might have fitted: unknown, not "does not fit"
             return Evaluation(layers, False, None, unknown=True, note=timed_out.note)
         return Evaluation(layers, False, None)
-    (_, label, how), ev = best
+    (*_, label, how), ev = best
     plan = "" if not policy.planner else (" kept" if how == KEEP else " planned")
     return Evaluation(layers, True, ev.result, variant=label + plan, note=ev.note)
 
@@ -255,6 +258,39 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
 def _fastest(tried: list[tuple[tuple, Evaluation]]) -> tuple[tuple, Evaluation] | None:
     fitting = [(k, e) for k, e in tried if e.fits and e.result is not None]
     return max(fitting, key=lambda ke: ke[1].result.tokens_per_s, default=None)
+
+
+def batch_overrides(sc: Scenario, size: int) -> dict[str, Any]:
+    """The scenario's global batch (micro_batch_size x microbatches sequences) cut into microbatches of `size`
+    sequences: the same training run, unlike more microbatches of the same size."""
+    total = sc.training.micro_batch_size * sc.pipeline.microbatches
+    if not 1 <= size <= total or total % size:
+        allowed = ", ".join(str(d) for d in range(1, total + 1) if total % d == 0)
+        raise ScenarioError(f"--micro-batch-sizes: {size} does not divide the global batch of {total} sequences "
+                            f"({sc.pipeline.microbatches} x {sc.training.micro_batch_size}); allowed: {allowed}")
+    return {"training.micro_batch_size": size, "pipeline.microbatches": total // size}
+
+
+def evaluate_sizes(sc_path: str | None, overrides: dict[str, Any], policy: Policy, layers: int,
+                   bounds: dict | None = None, sizes: tuple[int, ...] = ()) -> Evaluation:
+    """`evaluate` at each micro-batch size of `sizes` with the global batch fixed (`batch_overrides`), the
+    fastest that fits winning (labelled `mbs=N ...`); with no `sizes`, the scenario's own. A planner skips the
+    MILP on any order whose bound cannot beat the best plan of the sizes before it."""
+    sc = load_scenario(sc_path, overrides)
+    if not sizes:
+        return replace(evaluate(sc_path, overrides, policy, layers, bounds),
+                       micro_batch_size=sc.training.micro_batch_size)
+    tried: list[Evaluation] = []
+    for size in sizes:
+        floor = _quickest(tried).result.tokens_per_s if _quickest(tried) else 0.0
+        ev = evaluate(sc_path, {**overrides, **batch_overrides(sc, size)}, policy, layers, bounds, floor)
+        tried.append(replace(ev, micro_batch_size=size, variant=" ".join(filter(None, (f"mbs={size}", ev.variant)))))
+    return _quickest(tried) or next((e for e in tried if e.unknown), Evaluation(layers, False, None))
+
+
+def _quickest(evaluations: list[Evaluation]) -> Evaluation | None:
+    return max((e for e in evaluations if e.fits and e.result is not None), key=lambda e: e.result.tokens_per_s,
+               default=None)
 
 
 def max_layers(fits: Callable[[int], Evaluation], step: int) -> Evaluation | None:
@@ -299,8 +335,10 @@ class PolicyDepths:
     """Evaluations of one policy at any depth, cached: the capacity search and the frontier share them."""
 
     def __init__(self, sc_path: str | None, overrides: dict[str, Any], policy: Policy, stages: int,
-                 bounds: dict | None = None, progress: Callable[[str], None] | None = None):
+                 bounds: dict | None = None, progress: Callable[[str], None] | None = None,
+                 sizes: tuple[int, ...] = ()):
         self.sc_path, self.overrides, self.policy, self.stages = sc_path, overrides, policy, stages
+        self.sizes = sizes  # micro-batch sizes to choose from per depth (evaluate_sizes); () = the scenario's
         self.step = stages * policy.virtual_stages  # depths are multiples of the chunk count
         self._cache: dict[int, Evaluation] = {}
         self.bounds = {} if bounds is None else bounds  # joint policies' keep-everything runs, shared
@@ -310,7 +348,8 @@ class PolicyDepths:
         if layers not in self._cache:
             if self.progress:
                 self.progress(f"{self.policy.name} at {layers} layers")
-            self._cache[layers] = evaluate(self.sc_path, self.overrides, self.policy, layers, self.bounds)
+            self._cache[layers] = evaluate_sizes(self.sc_path, self.overrides, self.policy, layers, self.bounds,
+                                                 self.sizes)
         return self._cache[layers]
 
     def evaluated(self) -> dict[int, Evaluation]:
@@ -339,11 +378,11 @@ def _in_workers(jobs: int, calls: dict[Hashable, tuple[Callable, tuple]]) -> Ite
             yield futures[done], done.result()
 
 
-def _search(sc_path: str | None, overrides: dict[str, Any], name: str, stages: int, own: int
-            ) -> dict[int, Evaluation]:
+def _search(sc_path: str | None, overrides: dict[str, Any], name: str, stages: int, own: int,
+            sizes: tuple[int, ...] = ()) -> dict[int, Evaluation]:
     """A worker's share of `capacity_table`: one policy's depth search and its scenario depth, with every
     evaluation made on the way (the parent replays the search on them without evaluating again)."""
-    fits = PolicyDepths(sc_path, overrides, POLICIES[name], stages)
+    fits = PolicyDepths(sc_path, overrides, POLICIES[name], stages, sizes=sizes)
     max_layers(fits, fits.step)
     if own % fits.step == 0:
         fits(own)
@@ -357,7 +396,8 @@ def _search_all(depths: dict[str, PolicyDepths], own: int, jobs: int,
     names = sorted(depths, key=lambda n: (not depths[n].policy.planner, not depths[n].policy.joint))
     if len(names) <= 1:  # no company: the caller's own search is as fast
         return
-    calls = {n: (_search, (depths[n].sc_path, depths[n].overrides, n, depths[n].stages, own)) for n in names}
+    calls = {n: (_search, (depths[n].sc_path, depths[n].overrides, n, depths[n].stages, own, depths[n].sizes))
+             for n in names}
     for n, evaluations in _in_workers(jobs, calls):
         depths[n].store(evaluations)
         if detail:
@@ -373,7 +413,8 @@ def evaluate_all(depths: dict[str, PolicyDepths], pairs: Iterable[tuple[str, int
         for n, layers in todo:
             depths[n](layers)
         return
-    calls = {(n, layers): (evaluate, (depths[n].sc_path, depths[n].overrides, depths[n].policy, layers))
+    calls = {(n, layers): (evaluate_sizes, (depths[n].sc_path, depths[n].overrides, depths[n].policy, layers,
+                                             None, depths[n].sizes))
              for n, layers in todo}
     for (n, layers), ev in _in_workers(jobs, calls):
         depths[n].store({layers: ev})
@@ -390,12 +431,14 @@ def capacity_table(
     overrides: dict[str, Any] | None = None,
     detail: Callable[[str], None] | None = None,
     jobs: int = 1,
+    micro_batch_sizes: Iterable[int] = (),
 ) -> list[dict]:
     """One row per policy: max layers and params that fit, throughput there, the scenario's own depth, and
     the depth `target_ratio` x plain 1F1B's maximum (ChronosPipe's 2.4x claim): fits there, and how fast.
     `depths` (filled here when given) keeps every evaluation for a later frontier; `overrides` (--set) apply
     under every policy; `detail` hears of every depth evaluated; `jobs` > 1 runs the evaluations in that many
-    processes (module docstring)."""
+    processes (module docstring); `micro_batch_sizes` lets every policy, plain 1F1B's reference included,
+    take the fastest of these sizes that fits at each depth, the global batch fixed (`evaluate_sizes`)."""
     base = load_scenario(sc_path, overrides)
     if base.model is None:
         raise ScenarioError("capacity: needs a [model] scenario (explicit costs have no depth to vary)")
@@ -408,8 +451,12 @@ def capacity_table(
     depths = {} if depths is None else depths
     bounds: dict = {}
     own = base.model.layers
+    sizes = tuple(dict.fromkeys(micro_batch_sizes))
+    for size in sizes:  # refused before any work
+        batch_overrides(base, size)
     for name in policies:
-        depths.setdefault(name, PolicyDepths(sc_path, keep, POLICIES[name], base.pipeline.stages, bounds, detail))
+        depths.setdefault(name, PolicyDepths(sc_path, keep, POLICIES[name], base.pipeline.stages, bounds, detail,
+                                             sizes))
     if jobs > 1:
         _search_all({n: depths[n] for n in policies if not depths[n].evaluated()}, own, jobs, detail)
     rows = []
@@ -433,6 +480,7 @@ def capacity_table(
                 "peak_hbm_bytes": float(r.peak_hbm_bytes.max()),
                 "makespan_s": r.makespan_s,
                 "mfu": r.mfu,
+                "micro_batch_size": best.micro_batch_size,
                 "variant": best.variant,
             }
         unknown = sorted(d for d, ev in fits.evaluated().items() if ev.unknown)
@@ -467,7 +515,8 @@ def capacity_table(
 
 
 # ---- the depth/speed frontier (`pipeplan capacity --frontier`) --------------------------------------------
-FRONTIER_COLUMNS = ["policy", "layers", "fits", "tokens_per_s", "layer_throughput_vs_1f1b", "variant", "note"]
+FRONTIER_COLUMNS = ["policy", "layers", "fits", "tokens_per_s", "layer_throughput_vs_1f1b", "micro_batch_size",
+                    "variant", "note"]
 
 
 def frontier_depths(lo: int, hi: int, step: int, points: int) -> list[int]:
@@ -512,7 +561,7 @@ def frontier_row(policy: str, ev: Evaluation, ref_layer_tokens_per_s: float) -> 
     tps = ev.result.tokens_per_s if ev.fits and ev.result is not None else None
     return {"policy": policy, "layers": ev.layers, "fits": ev.fits, "tokens_per_s": tps,
             "layer_throughput_vs_1f1b": None if tps is None else tps * ev.layers / ref_layer_tokens_per_s,
-            "variant": ev.variant, "note": ev.note}
+            "micro_batch_size": ev.micro_batch_size, "variant": ev.variant, "note": ev.note}
 
 
 def deepest_at(frontier: list[dict], fits: PolicyDepths, min_throughput: float,

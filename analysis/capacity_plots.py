@@ -33,7 +33,7 @@ def capacity_plot(df: pd.DataFrame, path: str | Path, title: str = "") -> None:
 def print_capacity(df: pd.DataFrame) -> None:
     t = Table(title="capacity", header_style="bold")
     target = int(df["target_layers"].iloc[0]) if "target_layers" in df and len(df) else None
-    for col in ("policy", "max layers", "params (B)", "tokens/s", "layers vs 1f1b", "thr/layer vs 1f1b",
+    for col in ("policy", "max layers", "params (B)", "mbs", "tokens/s", "layers vs 1f1b", "thr/layer vs 1f1b",
                 "scenario fits", f"fits ~{target}", f"thr/layer @~{target}"):
         t.add_column(col, justify="left" if col == "policy" else "right")
 
@@ -42,7 +42,8 @@ def print_capacity(df: pd.DataFrame) -> None:
 
     for r in df.to_dict("records"):
         t.add_row(r["policy"], str(r["max_layers"]), fmt(r.get("params", 0) / 1e9, ".1f"),
-                  fmt(r.get("tokens_per_s"), ",.0f"), fmt(r.get("layers_vs_1f1b"), ".2f"),
+                  fmt(r.get("micro_batch_size"), ".0f"), fmt(r.get("tokens_per_s"), ",.0f"),
+                  fmt(r.get("layers_vs_1f1b"), ".2f"),
                   fmt(r.get("layer_throughput_vs_1f1b"), ".2f"), str(r.get("fits_scenario_layers")),
                   f"{r.get('fits_target')} ({r.get('target_layers')})",
                   fmt(r.get("target_layer_throughput_vs_1f1b"), ".2f"))

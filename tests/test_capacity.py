@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 from analysis.capacity import Evaluation, max_layers
 from analysis.cli import main
@@ -86,8 +87,9 @@ def test_capacity_frontier_cli(tmp_path, capsys):
     assert main(["capacity", SEVENTY, "--policies", "v-half", "--frontier", "--points", "3", "--out", str(out)]) == 0
     cap = pd.read_csv(out / "capacity.csv").set_index("policy")
     fr = pd.read_csv(out / "frontier.csv")
-    assert list(fr.columns) == ["policy", "layers", "fits", "tokens_per_s", "layer_throughput_vs_1f1b", "variant",
-                                "note"]
+    assert list(fr.columns) == ["policy", "layers", "fits", "tokens_per_s", "layer_throughput_vs_1f1b",
+                                "micro_batch_size", "variant", "note"]
+    assert set(fr["micro_batch_size"]) == {4}  # the scenario's own, when no other is offered
     assert set(fr["policy"]) == {"1f1b", "v-half"}  # 1f1b joins as the reference
     assert (out / "frontier.png").exists()
     ref = cap.loc["1f1b", "tokens_per_s"] * cap.loc["1f1b", "max_layers"]
@@ -249,3 +251,40 @@ def test_worker_processes_give_the_serial_answer():
                       {n: sorted(d.evaluated()) for n, d in depths.items()})
     assert runs[1] == runs[2]
     assert len(runs[2][1]) > len(policies)  # the frontier has depths to spread
+
+
+def test_micro_batch_sizes_take_the_fastest_cut_that_fits_with_the_reference_following(tmp_path):
+    """--micro-batch-sizes: at every depth each policy takes the fastest of the sizes that fits, the global batch
+    (32 x 4 sequences) fixed; plain 1F1B's reference follows. Each row is the best of the separate runs."""
+    from analysis.capacity import capacity_table
+
+    policies = ["1f1b", "1f1b+recompute"]
+    alone = {size: {r["policy"]: r for r in capacity_table(SEVENTY, policies, overrides={
+        "training.micro_batch_size": size, "pipeline.microbatches": 128 // size})} for size in (4, 2)}
+    out = tmp_path / "cap"
+    assert main(["capacity", SEVENTY, "--policies", ",".join(policies), "--micro-batch-sizes", "4,2",
+                 "--out", str(out)]) == 0
+    df = pd.read_csv(out / "capacity.csv").set_index("policy")
+    for name in policies:
+        deepest = max(alone[s][name]["max_layers"] for s in (4, 2))
+        assert df.loc[name, "max_layers"] == deepest
+        at_deepest = {s: alone[s][name] for s in (4, 2) if alone[s][name]["max_layers"] == deepest}
+        size = max(at_deepest, key=lambda s: at_deepest[s]["tokens_per_s"])
+        assert df.loc[name, "micro_batch_size"] == size
+        assert df.loc[name, "tokens_per_s"] == pytest.approx(at_deepest[size]["tokens_per_s"], rel=1e-12)
+    assert alone[2]["1f1b"]["max_layers"] > alone[4]["1f1b"]["max_layers"]  # half the activations per microbatch
+    assert df.loc["1f1b", "layers_vs_1f1b"] == 1.0  # the reference is 1F1B at its own best cut
+    ref = df.loc["1f1b", "tokens_per_s"] * df.loc["1f1b", "max_layers"]
+    assert df.loc["1f1b+recompute", "layer_throughput_vs_1f1b"] == pytest.approx(
+        df.loc["1f1b+recompute", "layer_tokens_per_s"] / ref)
+
+
+def test_micro_batch_sizes_are_checked_before_any_work(tmp_path, capsys):
+    for i, sizes in enumerate(("3", "4,x", "0", "2,256")):
+        assert main(["capacity", SEVENTY, "--policies", "1f1b,zbv", "--micro-batch-sizes", sizes,
+                     "--out", str(tmp_path / str(i))]) == 2
+    err = capsys.readouterr().err
+    assert "--micro-batch-sizes: 3 does not divide the global batch of 128 sequences (32 x 4); allowed: 1, 2, 4" in err
+    assert "--micro-batch-sizes: '4,x'; give positive integers" in err
+    assert "--micro-batch-sizes: 256 does not divide" in err
+    assert "Traceback" not in err and not any(tmp_path.iterdir())

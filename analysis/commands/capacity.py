@@ -3,6 +3,7 @@
     pipeplan capacity llama2-70b-48l-pp8-tp8-a100               # the ChronosPipe setting, every policy (minutes)
     pipeplan capacity llama2-70b-48l-pp8-tp8-a100 --frontier --min-throughput 0.95
     pipeplan capacity --policies 1f1b,zbv --set training.micro_batch_size=2 --out out/cap-mbs2   # seconds
+    pipeplan capacity --policies 1f1b,1f1b+recompute,zbv --micro-batch-sizes 4,2,1 --frontier   # same global batch
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "that the answer must keep (default: 0.95)")
     parser.add_argument("--points", type=int, default=24,
                         help="with --frontier: depths per policy at most, log-spaced (default: 24)")
+    parser.add_argument("--micro-batch-sizes", default="",
+                        help="comma-separated micro-batch sizes (sequences) every policy, plain 1F1B's reference "
+                             "included, may choose from per depth, the global batch (micro_batch_size x "
+                             "microbatches) fixed: the fastest that fits wins (default: the scenario's size)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="worker processes: each policy's depth search in one, the target and frontier depths "
                              "spread over all; the same answer as --jobs 1 (default: this machine's CPUs)")
@@ -60,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.jobs <= MAX_JOBS:
         raise ScenarioError(f"--jobs: {args.jobs}; must be 1..{MAX_JOBS}")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    sizes = parse_sizes(args.micro_batch_sizes)
     if args.frontier and "1f1b" not in policies:
         policies.insert(0, "1f1b")  # the reference every frontier row is measured against
     depths: dict[str, PolicyDepths] = {}
@@ -73,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
             bar.update(task, description=f"capacity: {what}")
 
         rows = capacity_table(args.scenario, policies, progress=step, target_ratio=args.target_ratio,
-                              depths=depths, overrides=scenario_overrides(args), detail=detail, jobs=args.jobs)
+                              depths=depths, overrides=scenario_overrides(args), detail=detail, jobs=args.jobs,
+                              micro_batch_sizes=sizes)
         frontier = (frontier_table(rows, depths, args.points, progress=step, jobs=args.jobs, detail=detail)
                     if args.frontier else None)
     df = pd.DataFrame(rows)
@@ -94,3 +101,13 @@ def run(args: argparse.Namespace) -> int:
         print_frontier(df, answers, args.min_throughput)
     print(f"wrote {args.out}/: {' '.join(written)}")
     return 0
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """`--micro-batch-sizes 4,2,1` as positive ints, in the order given (the planner prunes by the first)."""
+    from sim.errors import ScenarioError
+
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    if not all(t.isdigit() and int(t) > 0 for t in parts):
+        raise ScenarioError(f"--micro-batch-sizes: {text!r}; give positive integers separated by commas, e.g. 4,2,1")
+    return tuple(dict.fromkeys(int(t) for t in parts))
