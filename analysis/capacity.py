@@ -12,6 +12,9 @@ Variants are tried in order of their keep-everything speed, an upper bound on an
 same order (recomputation and offload only add work and copies), and the search stops once the best found is
 at least the next bound: the MILP runs only for the variants that could still win.
 
+Given micro-batch sizes (`evaluate_sizes`), every policy also chooses, per depth, how the scenario's global
+batch is cut into microbatches; plain 1F1B too, so the reference of every ratio follows.
+
 Evaluations are deterministic and independent of each other, so with `jobs` > 1 they run in worker processes
 (each policy's depth search in one; the target and frontier depths all at once) and give the serial answer.
 """
@@ -90,10 +93,26 @@ DEFAULT_POLICIES = tuple(name for name, p in POLICIES.items() if p.by_default)
 
 
 @dataclass(frozen=True)
+class Outcome:
+    """What capacity keeps of a simulated step: a SimResult holds the whole timeline (~10 MB at m = 128, v = 4),
+    and a search caches thousands of evaluations (14.7 GB peak RSS for one --micro-batch-sizes run before)."""
+
+    tokens_per_s: float | None
+    makespan_s: float
+    mfu: float | None
+    peak_hbm_bytes: np.ndarray  # per rank
+    oom_over_limit: bool
+
+    @classmethod
+    def of(cls, r: SimResult) -> Outcome:
+        return cls(r.tokens_per_s, r.makespan_s, r.mfu, r.peak_hbm_bytes, r.oom_over_limit)
+
+
+@dataclass(frozen=True)
 class Evaluation:
     layers: int
     fits: bool
-    result: SimResult | None  # None when the planner found no plan
+    result: Outcome | None  # None when the planner found no plan
     smallest_hbm_bytes: float | None = None
     variant: str = ""  # a joint policy's choice at this depth, e.g. "v=4 cap=32"
     unknown: bool = False  # the MILP hit its safety time limit: neither a fit nor no fit (`fits` is False)
@@ -209,9 +228,9 @@ def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy
     planned = memory.planned
     if planned is not None:  # the planner's plan fits by construction and is already simulated
         note = "" if planned.proven_optimal else f"MILP incumbent (gap {planned.mip_gap:.1%}) at {layers} layers"
-        return Evaluation(layers, True, planned.simulated, note=note)
+        return Evaluation(layers, True, Outcome.of(planned.simulated), note=note)
     res = simulate(schedule, costs, memory=memory.plan)
-    return Evaluation(layers, not res.oom_over_limit, res)
+    return Evaluation(layers, not res.oom_over_limit, Outcome.of(res))
 
 
 def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy, layers: int,
