@@ -275,8 +275,9 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
 
 
 def _fastest(tried: list[tuple[tuple, Evaluation]]) -> tuple[tuple, Evaluation] | None:
-    fitting = [(k, e) for k, e in tried if e.fits and e.result is not None]
-    return max(fitting, key=lambda ke: ke[1].result.tokens_per_s, default=None)
+    """The (key, evaluation) pair of `_quickest`'s evaluation."""
+    best = _quickest([e for _, e in tried])
+    return next((ke for ke in tried if ke[1] is best), None)
 
 
 def batch_overrides(sc: Scenario, size: int) -> dict[str, Any]:
@@ -301,13 +302,15 @@ def evaluate_sizes(sc_path: str | None, overrides: dict[str, Any], policy: Polic
                        micro_batch_size=sc.training.micro_batch_size)
     tried: list[Evaluation] = []
     for size in sizes:
-        floor = _quickest(tried).result.tokens_per_s if _quickest(tried) else 0.0
+        best = _quickest(tried)
+        floor = best.result.tokens_per_s if best is not None else 0.0
         ev = evaluate(sc_path, {**overrides, **batch_overrides(sc, size)}, policy, layers, bounds, floor)
         tried.append(replace(ev, micro_batch_size=size, variant=" ".join(filter(None, (f"mbs={size}", ev.variant)))))
     return _quickest(tried) or next((e for e in tried if e.unknown), Evaluation(layers, False, None))
 
 
 def _quickest(evaluations: list[Evaluation]) -> Evaluation | None:
+    """The fastest evaluation that fits (the first of equals), or None."""
     return max((e for e in evaluations if e.fits and e.result is not None), key=lambda e: e.result.tokens_per_s,
                default=None)
 
