@@ -33,7 +33,7 @@ from sim.config import Scenario, load_scenario
 from sim.costs import build_cost_table
 from sim.engine import SimResult, simulate
 from sim.errors import ScenarioError
-from sim.schedules.v_shape import chronos_plan, deferred_w_limit, v_half_limit
+from sim.schedules.v_shape import ActionTimes, chronos_plan, deferred_w_limit, v_half_limit
 from sim.step import list_clock, resolve_schedule
 from solver.errors import SolverError, SolverTimeoutError
 from solver.memory_milp import MemoryInfeasibleError
@@ -134,16 +134,31 @@ def planner_treatment(treatment: tuple[tuple[str, Any], ...], var: dict[str, Any
     return tuple(sorted({**dict(treatment), "memory.offload_stash": 0.0}.items()))
 
 
-def chronos_variants(stages: int, microbatches: int, layers: int, timed_caps: dict[int, int] | None = None
+@dataclass(frozen=True)
+class OwnCaps:
+    """Chronos' own cap on one clock (the smallest within CHRONOS_SLOWDOWN of the uncapped order's step): for the
+    order with a split backward, and for the one with a full B (no W stash), whose own cap is larger."""
+
+    split: int
+    full_b: int
+
+
+def own_caps(stages: int, microbatches: int, v: int, times: ActionTimes | None = None) -> OwnCaps:
+    return OwnCaps(chronos_plan(stages, microbatches, v, times=times)[0],
+                   chronos_plan(stages, microbatches, v, times=times, full_b=True)[0])
+
+
+def chronos_variants(stages: int, microbatches: int, layers: int, timed_caps: dict[int, OwnCaps] | None = None
                      ) -> list[dict[str, Any]]:
     """(v, admission cap, stash limit, list clock) a joint chronos policy tries at `layers`: v in JOINT_V where
     every chunk gets a layer; caps in chunk-activations: chronos' own choice, V-Half's (v_half_limit, per chunk
     pair; with the stash limit = cap at v = 2 on unit costs, exactly v-half's order, so `chronos` >= `v-half`
     at every depth), one whole-rank microbatch below and above it, and 1F1B's p microbatches (the list scheduler
     gains little above: docs/memory.md); each with W deferred as usual (the stash limit's default), with the W
-    stash counted against the cap (stash limit = cap), or with no stash (0: full B). Every order is built on
-    unit costs and, for each v in `timed_caps` (chronos' own cap on the step's cost clock, `timed_own_caps`),
-    again on the step's costs (pipeline.order_timing = "costs"), with that clock's own cap. Every chronos policy
+    stash counted against the cap (stash limit = cap), or with no stash (0: full B); and the full B's own cap
+    (OwnCaps.full_b). Every order is built on unit costs and, for each v in `timed_caps` (chronos' own caps on
+    the step's cost clock, `timed_own_caps`), again on the step's costs (pipeline.order_timing = "costs"), with
+    that clock's own caps. Every chronos policy
     tries the same set of orders, but not the same plans in each: `chronos+recomp` applies the chronos
     recompute rule to every variant and never tries keep-everything, and the planner runs the MILP only on the
     orders `planned_variant` names (keeping everything elsewhere), so a policy with more memory treatments is
@@ -153,41 +168,46 @@ def chronos_variants(stages: int, microbatches: int, layers: int, timed_caps: di
         if layers < stages * v:
             continue
         half = v_half_limit(stages) // 2  # V-Half's whole-rank microbatches
-        clocks = {"unit": chronos_plan(stages, microbatches, v)[0]}
+        clocks = {"unit": own_caps(stages, microbatches, v)}
         if timed_caps and v in timed_caps:
             clocks["costs"] = timed_caps[v]
         for clock, own in clocks.items():
-            caps = {own} | {v * k for k in (half - 1, half, half + 1, stages) if k >= 1}
+            caps = {own.split} | {v * k for k in (half - 1, half, half + 1, stages) if k >= 1}
             timing = {} if clock == "unit" else {"pipeline.order_timing": "costs"}
-            for c in sorted(caps):
-                for stash in sorted({deferred_w_limit(stages, v), c, 0}, reverse=True):
+            for c in sorted(caps | {own.full_b}):
+                stashes = {deferred_w_limit(stages, v), c, 0} if c in caps else {0}
+                for stash in sorted(stashes, reverse=True):
                     var = {"pipeline.virtual_stages": v, "pipeline.admission_cap": c, **timing}
                     out.append(var if stash == deferred_w_limit(stages, v) else {**var, "pipeline.stash_limit": stash})
     return out
 
 
 def timed_own_caps(sc_path: str | None, base_overrides: dict[str, Any], stages: int, microbatches: int,
-                   layers: int) -> dict[int, int]:
-    """Per v in JOINT_V (where every chunk gets a layer), chronos' own cap on the clock of the step's costs at
+                   layers: int) -> dict[int, OwnCaps]:
+    """Per v in JOINT_V (where every chunk gets a layer), chronos' own caps on the clock of the step's costs at
     `layers`: the smallest within CHRONOS_SLOWDOWN of its uncapped order, timed as the step will run."""
     out = {}
     for v in JOINT_V:
         if layers >= stages * v:
             at = load_scenario(sc_path, {**base_overrides, "pipeline.schedule": "chronos",
                                          "pipeline.virtual_stages": v, "model.layers": layers})
-            out[v] = chronos_plan(stages, microbatches, v, times=list_clock(build_cost_table(at)))[0]
+            out[v] = own_caps(stages, microbatches, v, times=list_clock(build_cost_table(at)))
     return out
 
 
-def planned_variant(stages: int, microbatches: int, var: dict[str, Any], timed_caps: dict[int, int]) -> bool:
-    """Whether the planner runs its MILP on this order: a cap from V-Half's up to chronos' own on the order's
-    clock (on unit costs the two coincide at p = 8, v = 2; on the step's costs chronos' own is larger, and the
-    caps between trade bubble against what must move: 0.962, 0.992, 0.939 at caps 14, 12, 10 at 80 layers,
-    docs/memory.md). Each MILP costs 2-340 s at 48-320 layers; `_evaluate_joint` runs them in order of the
-    order's keep-everything speed and stops once none left can win."""
+def planned_variant(stages: int, microbatches: int, var: dict[str, Any], timed_caps: dict[int, OwnCaps]) -> bool:
+    """Whether the planner runs its MILP on this order: with a W stash, a cap from V-Half's up to chronos' own on
+    the order's clock (on unit costs the two coincide at p = 8, v = 2; on the step's costs chronos' own is
+    larger, and the caps between trade bubble against what must move: 0.962, 0.992, 0.939 at caps 14, 12, 10
+    at 80 layers, docs/memory.md); with a full B, its own cap on that clock (OwnCaps.full_b; at 144 layers its
+    plan beat those at 1F1B's memory and above: docs/memory.md). Each MILP costs 2-480 s at 48-320 layers;
+    `_evaluate_joint` runs them in order of the order's keep-everything speed and stops once none left can
+    win."""
     v, cap = var["pipeline.virtual_stages"], var["pipeline.admission_cap"]
-    own = timed_caps[v] if var.get("pipeline.order_timing") == "costs" else chronos_plan(stages, microbatches, v)[0]
-    return v_half_limit(stages) // 2 * v <= cap <= own
+    own = timed_caps[v] if var.get("pipeline.order_timing") == "costs" else own_caps(stages, microbatches, v)
+    if var.get("pipeline.stash_limit") == 0:
+        return cap == own.full_b
+    return v_half_limit(stages) // 2 * v <= cap <= own.split
 
 
 def variant_label(var: dict[str, Any]) -> str:

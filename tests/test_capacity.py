@@ -144,23 +144,30 @@ def test_v_half_s_order_is_one_of_the_chronos_variants():
 
 def test_the_joint_search_builds_every_order_on_both_clocks_and_plans_the_caps_up_to_chronos_own():
     """With chronos' own cap on the step's costs given per v, each order is tried on unit costs and on the
-    step's costs; the MILP runs on the caps from V-Half's up to the order's own clock's chronos cap."""
+    step's costs; the MILP runs on the caps from V-Half's up to the order's own clock's chronos cap, and on a full
+    B's own cap."""
     from analysis.capacity import chronos_variants, planned_variant, timed_own_caps, variant_label
     from sim.schedules.v_shape import chronos_plan
 
     p, m = 4, 8
     timed = timed_own_caps(None, {"pipeline.stages": p, "pipeline.microbatches": m}, p, m, 4 * p)
     assert set(timed) == {2, 4}
+    assert all(own.full_b > own.split for own in timed.values())
     variants = chronos_variants(p, m, 4 * p, timed)
     assert all(v in variants for v in chronos_variants(p, m, 4 * p))  # the unit-cost orders, as before
     on_costs = [v for v in variants if v.get("pipeline.order_timing") == "costs"]
-    assert {v["pipeline.admission_cap"] for v in on_costs if v["pipeline.virtual_stages"] == 2} >= {timed[2], 6}
+    assert {v["pipeline.admission_cap"] for v in on_costs if v["pipeline.virtual_stages"] == 2} >= {timed[2].split, 6}
+    assert {"pipeline.virtual_stages": 2, "pipeline.admission_cap": timed[2].full_b, "pipeline.stash_limit": 0,
+            "pipeline.order_timing": "costs"} in on_costs
     assert all(variant_label(v).endswith("timed") for v in on_costs)
     assert len({variant_label(v) for v in variants}) == len(variants)  # one label per order: the cache's key
     for var in variants:
         v, cap = var["pipeline.virtual_stages"], var["pipeline.admission_cap"]
-        own = timed[v] if var in on_costs else chronos_plan(p, m, v)[0]
-        assert planned_variant(p, m, var, timed) == (v * 3 <= cap <= own)  # V-Half's 3 microbatches at p = 4
+        full_b = var.get("pipeline.stash_limit") == 0
+        caps = timed[v] if var in on_costs else None
+        own = (caps.full_b if full_b else caps.split) if caps else chronos_plan(p, m, v, full_b=full_b)[0]
+        planned = cap == own if full_b else v * 3 <= cap <= own  # V-Half's 3 microbatches at p = 4
+        assert planned_variant(p, m, var, timed) == planned
 
 
 def test_a_timed_out_milp_is_reported_not_counted_as_no_fit(monkeypatch):

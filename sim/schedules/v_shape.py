@@ -23,6 +23,11 @@ reach them). Whenever a rank is idle it takes the first ready action from:
      microbatch. A forward of the rank's first chunk admits a new microbatch and needs
      reserved_r + v <= `forward_limit`;
   4. any other W, oldest first (W only fills what would otherwise be a bubble).
+With a full B (no split, w_limit = 0) forwards come before backwards: with no W to fill a bubble, the cap
+alone bounds memory, and filling it before running backwards is 1F1B's own warm-up. Backward first with a full
+B runs in waves (a rank busy with its last chunk's F-B pairs while its first chunk waits for gradients): on
+unit costs at p = 8, m = 32, v = 2 it made 288 steps at cap 16 (1F1B's memory; 1F1B itself 234) and 230
+uncapped; forward first makes 236 and 213 (interleaved 1F1B's (m·v + p − 1)·3), docs/schedules.md.
 
 Reservation: admitting a microbatch on rank r reserves all v of its chunk-activations there and each of its
 backwards there releases one, so live_r <= reserved_r <= forward_limit throughout. The count of live
@@ -113,6 +118,7 @@ def list_schedule(p: int, m: int, v: int, admission: Admission, deadline: float 
     placement = zigzag_placement(p, v)
     chunks = [[s for s in range(n) if placement[s] == r] for r in range(p)]  # ascending stage = chunk order
     backward = Kind.I if admission.split_backward else Kind.B
+    forward_first = not admission.split_backward  # module docstring: with a full B the cap alone bounds memory
     never = float("inf")
     f_end = [[never] * m for _ in range(n)]
     f_arrive = [[never] * m for _ in range(n)]  # F's output at stage s + 1's rank
@@ -131,7 +137,7 @@ def list_schedule(p: int, m: int, v: int, admission: Admission, deadline: float 
             for s in chunks[r]
             if (k := next_b[s]) < m and f_end[s][k] <= t and (s == n - 1 or b_arrive[s + 1][k] <= t)
         ]
-        if ready_b:
+        if ready_b and not forward_first:
             *_, s, k = min(ready_b)
             return Action(s, backward, k)
         if deferred_w[r] and held[r] >= admission.w_limit:
@@ -141,6 +147,9 @@ def list_schedule(p: int, m: int, v: int, admission: Admission, deadline: float 
             k = next_f[s]
             if k < m and (s == 0 or f_arrive[s - 1][k] <= t) and (c > 0 or reserved[r] + v <= admission.forward_limit):
                 return Action(s, Kind.F, k)
+        if ready_b:
+            *_, s, k = min(ready_b)
+            return Action(s, backward, k)
         return deferred_w[r].popleft() if deferred_w[r] else None
 
     def hop(s: int, to: int) -> float:  # the time from stage s to stage `to` (0 on one rank or outside the model)
@@ -224,16 +233,16 @@ def _check_chronos(p: int, m: int, v: int) -> str | None:
 
 
 @lru_cache(maxsize=64)  # a linear scan of list-scheduler runs: 0.1 s at p = 8, m = 32; 6 s at p = 32, m = 64
-def chronos_plan(p: int, m: int, v: int, slowdown: float = CHRONOS_SLOWDOWN, times: ActionTimes | None = None
-                 ) -> tuple[int, ListSchedule]:
+def chronos_plan(p: int, m: int, v: int, slowdown: float = CHRONOS_SLOWDOWN, times: ActionTimes | None = None,
+                 full_b: bool = False) -> tuple[int, ListSchedule]:
     """The smallest forward_limit whose makespan on the clock `times` (default: unit costs) is within `slowdown`
-    of the uncapped schedule's."""
-    w_limit = deferred_w_limit(p, v)
-    uncapped = list_schedule(p, m, v, Admission(v * m, w_limit), times=times)  # a cap of v·m never binds
+    of the uncapped schedule's; with `full_b`, of the order with a full B (no W stash) instead of I and W."""
+    w_limit = 0 if full_b else deferred_w_limit(p, v)
+    uncapped = list_schedule(p, m, v, Admission(v * m, w_limit, not full_b), times=times)  # v·m never binds
     target = (1 + slowdown) * uncapped.makespan
     for limit in range(v, v * m):
         try:
-            return limit, list_schedule(p, m, v, Admission(limit, w_limit), deadline=target, times=times)
+            return limit, list_schedule(p, m, v, Admission(limit, w_limit, not full_b), deadline=target, times=times)
         except PastDeadline:  # too slow at this cap; cut short
             continue
     return v * m, uncapped
