@@ -137,9 +137,10 @@ def list_schedule(p: int, m: int, v: int, admission: Admission, deadline: float 
             for s in chunks[r]
             if (k := next_b[s]) < m and f_end[s][k] <= t and (s == n - 1 or b_arrive[s + 1][k] <= t)
         ]
-        if ready_b and not forward_first:
-            *_, s, k = min(ready_b)
-            return Action(s, backward, k)
+        oldest = min(ready_b, default=None)  # the backward whose activation has waited longest
+        oldest_b = None if oldest is None else Action(oldest[2], backward, oldest[3])
+        if oldest_b and not forward_first:
+            return oldest_b
         if deferred_w[r] and held[r] >= admission.w_limit:
             return deferred_w[r].popleft()
         for c in reversed(range(v)):
@@ -147,9 +148,8 @@ def list_schedule(p: int, m: int, v: int, admission: Admission, deadline: float 
             k = next_f[s]
             if k < m and (s == 0 or f_arrive[s - 1][k] <= t) and (c > 0 or reserved[r] + v <= admission.forward_limit):
                 return Action(s, Kind.F, k)
-        if ready_b:
-            *_, s, k = min(ready_b)
-            return Action(s, backward, k)
+        if oldest_b:
+            return oldest_b
         return deferred_w[r].popleft() if deferred_w[r] else None
 
     def hop(s: int, to: int) -> float:  # the time from stage s to stage `to` (0 on one rank or outside the model)
