@@ -21,6 +21,7 @@ Evaluations are deterministic and independent of each other, so with `jobs` > 1 
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -36,7 +37,7 @@ from sim.errors import ScenarioError
 from sim.schedules.v_shape import ActionTimes, chronos_plan, deferred_w_limit, v_half_limit
 from sim.step import list_clock, resolve_schedule
 from solver.errors import SolverError, SolverTimeoutError
-from solver.memory_milp import MemoryInfeasibleError
+from solver.memory_milp import MemoryInfeasibleError, makespan_lower_bound
 from solver.step import resolve_memory_plan
 
 MAX_LAYERS = 4096
@@ -113,7 +114,6 @@ class Evaluation:
     layers: int
     fits: bool
     result: Outcome | None  # None when the planner found no plan
-    smallest_hbm_bytes: float | None = None
     variant: str = ""  # a joint policy's choice at this depth, e.g. "v=4 cap=32"
     unknown: bool = False  # the MILP hit its safety time limit: neither a fit nor no fit (`fits` is False)
     note: str = ""  # why unknown, or that the plan is the MILP's unproven incumbent
@@ -238,7 +238,7 @@ def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy
     costs = build_cost_table(sc)
     schedule = resolve_schedule(sc)
     try:
-        memory = resolve_memory_plan(sc, costs, schedule)
+        memory = resolve_memory_plan(sc, costs, schedule, explain=False)  # only whether it fits matters here
     except MemoryInfeasibleError:
         return Evaluation(layers, False, None)
     except SolverTimeoutError:  # the MILP's safety net: say so, never count it as "does not fit"
@@ -251,6 +251,18 @@ def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy
         return Evaluation(layers, True, Outcome.of(planned.simulated), note=note)
     res = simulate(schedule, costs, memory=memory.plan)
     return Evaluation(layers, not res.oom_over_limit, Outcome.of(res))
+
+
+def planner_bound(sc_path: str | None, overrides: dict[str, Any], treatment: dict[str, Any], layers: int,
+                  keep: Outcome) -> float:
+    """Tokens/s no plan of the memory planner on this chronos order can beat (0 when none fits), from the MILP's
+    LP relaxation (solver.memory_milp.makespan_lower_bound: seconds, where the MILP takes up to minutes); `keep`
+    is the order's keep-everything step, which gives the step's tokens; inf where the relaxation bounds nothing."""
+    sc = load_scenario(sc_path, {**overrides, "pipeline.schedule": "chronos", "model.layers": layers, **treatment})
+    seconds = makespan_lower_bound(sc, build_cost_table(sc), resolve_schedule(sc))
+    if seconds is None:
+        return 0.0
+    return math.inf if seconds <= 0 else keep.tokens_per_s * keep.makespan_s / seconds
 
 
 def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy, layers: int,
@@ -277,8 +289,15 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
     tried = [run(var, t) for var in variants for t in cheap]
     if policy.planner:
         planned = [var for var in variants if planned_variant(p, m, var, timed)]
-        bounds = sorted(((run(var, KEEP)[1].result.tokens_per_s, var) for var in planned), key=lambda b: -b[0])
-        for bound, var in bounds:
+        bounds = []
+        for var in planned:
+            keep = run(var, KEEP)[1].result
+            key = (layers, sc.training.micro_batch_size, m, variant_label(var), planner_treatment(treatment, var))
+            if ("bound", *key) not in runs:
+                runs["bound", *key] = planner_bound(sc_path, {**base_overrides, **var}, dict(key[-1]), layers,
+                                                    keep)
+            bounds.append((min(keep.tokens_per_s, runs["bound", *key]), var))
+        for bound, var in sorted(bounds, key=lambda b: -b[0]):
             best = _fastest(tried)
             if max(floor, best[1].result.tokens_per_s if best is not None else 0.0) >= bound:
                 break  # no memory treatment of the remaining orders can be faster

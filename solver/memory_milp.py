@@ -318,9 +318,11 @@ def _positions(schedule: Schedule, lookahead: int, weights: bool = False, retain
 
 
 def plan_memory(
-    sc: Scenario, costs: CostTable, schedule: Schedule, allow_state_offload: bool = True
+    sc: Scenario, costs: CostTable, schedule: Schedule, allow_state_offload: bool = True, explain: bool = True
 ) -> MemoryPlanResult:
-    """Solve the MILP, re-simulate, refine the copy-time model on disagreement; raise if nothing fits."""
+    """Solve the MILP, re-simulate, refine the copy-time model on disagreement; raise if nothing fits, with the
+    smallest HBM that would do unless `explain` is False (a second MILP, often minutes: a search that only asks
+    whether a plan fits skips it)."""
     d = costs.detail
     if d is None:
         raise SolverError("memory planner: the cost table has no per-layer detail")
@@ -330,7 +332,7 @@ def plan_memory(
     limit = base.hbm_limit_bytes
     wall = 0.0
     for rnd in range(1, ROUNDS + 1):
-        sol = _solve(sc, costs, schedule, base, lookahead, slowdown, limit, allow_state_offload)
+        sol = _solve(sc, costs, schedule, base, lookahead, slowdown, limit, allow_state_offload, explain)
         t_pred = sol.makespan_s
         wall += sol.wall_s
         plan = plan_from_choice(sc, costs, schedule, base, sol.choice, lookahead)
@@ -354,6 +356,28 @@ def plan_memory(
         f"(simulated {res.makespan_s:.6g} s vs planned {t_pred:.6g} s, peak HBM "
         f"{res.peak_hbm_bytes.max() / 2**30:.2f} GiB vs limit {base.hbm_limit_bytes / 2**30:.2f} GiB)"
     )
+
+
+def makespan_lower_bound(sc: Scenario, costs: CostTable, schedule: Schedule,
+                         allow_state_offload: bool = True) -> float | None:
+    """Seconds no plan `plan_memory` returns can beat in simulation, from the first round's LP relaxation (seconds
+    to solve where the MILP takes minutes); None when that relaxation is infeasible, so no plan fits. Why it
+    bounds: later rounds only lengthen copies and lower the HBM limit (their T is no smaller), the plan's T is
+    at least its round's relaxation, and a chunk-copy plan is accepted only within TOLERANCE of its T. Plans
+    with layer-wise copies may run faster than their T (plan_memory), so for them the bound is 0, as it is when
+    HiGHS ends the relaxation without an optimum (status Unknown: its byte-scaled rows can leave a residual
+    of ~1e-5 B after postsolve) or at its time limit."""
+    if sc.memory.copy_granularity == "layer":
+        return 0.0
+    base = with_states(sc, costs, keep_everything(costs))
+    try:
+        sol = _solve(sc, costs, schedule, base, sc.memory.prefetch_lookahead, np.ones(costs.num_chunks),
+                     base.hbm_limit_bytes, allow_state_offload, explain=False, relax=True)
+    except InfeasibleError:
+        return None
+    except SolverError:  # no optimum, so no proven bound: the caller plans this order as if unbounded
+        return 0.0
+    return (1 - TOLERANCE) * sol.makespan_s
 
 
 @dataclass(frozen=True)
@@ -423,8 +447,11 @@ class _Chunks:
 
 
 def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan, lookahead: int,
-           slowdown: np.ndarray, limit: float | None, allow_state_offload: bool) -> MilpSolution:
-    """Build the MILP (module docstring) over the step graph and solve it; `limit` None minimises HBM."""
+           slowdown: np.ndarray, limit: float | None, allow_state_offload: bool, explain: bool = True,
+           relax: bool = False) -> MilpSolution:
+    """Build the MILP (module docstring) over the step graph and solve it; `limit` None minimises HBM. Infeasible,
+    the error names the smallest HBM that would do when `explain` (plan_memory). `relax`: its LP relaxation,
+    minimising T alone (a lower bound on the MILP's T, makespan_lower_bound)."""
     d = costs.detail
     n_c, n_r = costs.num_chunks, schedule.num_ranks
     dag = build_freeze_dag(schedule, costs, FreezeConfig(cap=0.0))
@@ -462,8 +489,9 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
         lp.add_variables(dag.n_nodes, 0, np.inf), lp.add_variables(1, 0, np.inf)[0], lp.add_variables(1, 0, np.inf)[0],
         lp.add_variables(n_c, 0, np.inf) if slack.any() else None,
     )
-    lp.set_integer(np.concatenate([col.recompute, col.op, col.dram, col.nvme, col.recomputes, col.to_nvme,
-                                   col.states_on_host, col.weights]))
+    if not relax:
+        lp.set_integer(np.concatenate([col.recompute, col.op, col.dram, col.nvme, col.recomputes, col.to_nvme,
+                                       col.states_on_host, col.weights]))
     rows = _Rows()
     _layer_choice_rows(rows, col, ch)
     if col.exposed is not None:  # x_c - f_c k_c - f'_c j_c >= -ς_c
@@ -487,6 +515,8 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
         obj = np.concatenate([[1.0], EPS * m * ch.fwd, EPS * m * ch.op_fwd, EPS * m * ch.copy_dram,
                               EPS * m * ch.copy_nvme, EPS * m * ch.weight_copy, EPS * m * ch.stash_copy])
         what = "fitting the step into HBM"
+        if relax:
+            obj_cols, obj, what = np.array([col.makespan]), np.array([1.0]), "the LP relaxation of " + what
     else:
         obj_cols = np.concatenate([[col.peak], [col.makespan]])
         obj = np.array([1.0, 1e-9])
@@ -494,11 +524,11 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     try:
         sol = lp.minimize(obj_cols, obj, what, accept_incumbent=True)  # every plan is re-simulated
     except InfeasibleError:
-        least = (smallest_hbm_bytes(sc, costs, schedule, allow_state_offload).describe() if limit is not None
-                 else "the smallest HBM is unknown")
+        least = ("; " + smallest_hbm_bytes(sc, costs, schedule, allow_state_offload).describe() if explain
+                 else "") if limit is not None else "; the smallest HBM is unknown"
         raise MemoryInfeasibleError(
             f"memory: no keep/recompute/offload plan fits {base.hbm_limit_bytes / 2**30:.2f} GiB (capacity - "
-            f"margin); {least}"
+            f"margin){least}"
         ) from None
     x = sol.x
     choice = MemoryChoice(np.rint(x[col.recompute]), np.rint(x[col.dram]), np.rint(x[col.nvme]),

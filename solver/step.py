@@ -42,17 +42,18 @@ class ScenarioMemory:
 
 
 def resolve_memory_plan(
-    sc: Scenario, costs: CostTable, schedule: Schedule, choice: MemoryChoice | None = None
+    sc: Scenario, costs: CostTable, schedule: Schedule, choice: MemoryChoice | None = None, explain: bool = True
 ) -> ScenarioMemory:
     """The memory plan the step runs under: [memory] as written, or (memory.plan = true) the memory MILP's
-    verified choice, solved here unless `choice` (one already solved for this scenario) is given."""
+    verified choice, solved here unless `choice` (one already solved for this scenario) is given. `explain`:
+    when no plan fits, work out the smallest HBM that would (plan_memory)."""
     if not sc.memory.plan:
         return ScenarioMemory(build_memory_plan(sc, costs, schedule))
     if choice is not None:
         base = with_states(sc, costs, keep_everything(costs))
         return ScenarioMemory(plan_from_choice(sc, costs, schedule, base, choice, sc.memory.prefetch_lookahead),
                               choice=choice)
-    planned = plan_memory(sc, costs, schedule)
+    planned = plan_memory(sc, costs, schedule, explain=explain)
     return ScenarioMemory(planned.plan, planned, planned.choice)
 
 

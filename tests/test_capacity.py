@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import pytest
 
@@ -168,6 +170,45 @@ def test_the_joint_search_builds_every_order_on_both_clocks_and_plans_the_caps_u
         own = (caps.full_b if full_b else caps.split) if caps else chronos_plan(p, m, v, full_b=full_b)[0]
         planned = cap == own if full_b else v * 3 <= cap <= own  # V-Half's 3 microbatches at p = 4
         assert planned_variant(p, m, var, timed) == planned
+
+
+def test_the_lp_bound_skips_only_plans_that_cannot_win():
+    """p = 4, m = 8: the planner's bound from its MILP's LP relaxation is never below what the MILP's plan runs
+    in simulation (0 exactly when no plan fits), so skipping the orders it rules out keeps the answer of the
+    search that plans every one of them."""
+    from analysis.capacity import (
+        KEEP,
+        POLICIES,
+        Policy,
+        chronos_variants,
+        evaluate,
+        planned_variant,
+        planner_bound,
+        planner_treatment,
+        timed_own_caps,
+    )
+
+    small = {"pipeline.stages": 4, "pipeline.microbatches": 8}
+    policy = POLICIES["chronos+recomp+offload"]
+    treatment = tuple(sorted(policy.overrides.items()))
+    for layers in (16, 32):
+        timed = timed_own_caps(SEVENTY, small, 4, 8, layers)
+        speeds = []
+        for var in chronos_variants(4, 8, layers, timed):
+            v = var["pipeline.virtual_stages"]
+            keep = evaluate(SEVENTY, {**small, **var}, Policy("keep", "chronos", v, dict(KEEP)), layers)
+            speeds.append(keep.result.tokens_per_s if keep.fits else 0.0)
+            if not planned_variant(4, 8, var, timed):
+                continue
+            how = dict(planner_treatment(treatment, var))
+            plan = evaluate(SEVENTY, {**small, **var}, Policy("plan", "chronos", v, how), layers)
+            bound = planner_bound(SEVENTY, {**small, **var}, how, layers, keep.result)
+            assert bound > 0 if plan.fits else bound in (0.0, math.inf), (layers, var)  # inf: no optimum
+            if plan.fits:
+                assert plan.result.tokens_per_s <= bound, (layers, var)
+                speeds.append(plan.result.tokens_per_s)
+        joint = evaluate(SEVENTY, small, policy, layers)
+        assert joint.fits and joint.result.tokens_per_s == max(speeds)
 
 
 def test_a_timed_out_milp_is_reported_not_counted_as_no_fit(monkeypatch):
