@@ -8,9 +8,10 @@ bisection (fitting is monotone in depth: every per-layer cost grows with it).
 The chronos policies are chosen jointly per depth (`Policy.joint`): the schedule's chunks per rank v, its
 admission cap, its W stash limit and the clock its order is built on (`chronos_variants`) with the policy's
 memory treatment, the fastest variant that fits winning.
-Variants are tried in order of their keep-everything speed, an upper bound on any memory treatment of the
-same order (recomputation and offload only add work and copies), and the search stops once the best found is
-at least the next bound: the MILP runs only for the variants that could still win.
+The planner's MILP runs on a variant only while it could still win: each order's bound is the smaller of its
+keep-everything speed (recomputation and offload only add work and copies) and what the MILP's LP relaxation
+allows (`planner_bound`); orders are planned in order of that bound, and the search stops once the best found
+is at least the next one. So it gives the answer of planning every order, in a fraction of the MILPs.
 
 Given micro-batch sizes (`evaluate_sizes`), every policy also chooses, per depth, how the scenario's global
 batch is cut into microbatches; plain 1F1B too, so the reference of every ratio follows.
@@ -201,8 +202,7 @@ def planned_variant(stages: int, microbatches: int, var: dict[str, Any], timed_c
     larger, and the caps between trade bubble against what must move: 0.962, 0.992, 0.939 at caps 14, 12, 10
     at 80 layers, docs/memory.md); with a full B, its own cap on that clock only (OwnCaps.full_b; at 144 layers
     the best full-B plans measured were at the own caps, docs/memory.md). Each MILP costs 2-480 s at 48-320 layers;
-    `_evaluate_joint` runs them in order of the order's keep-everything speed and stops once none left can
-    win."""
+    `_evaluate_joint` runs them in order of their bound and stops once none left can win."""
     v, cap = var["pipeline.virtual_stages"], var["pipeline.admission_cap"]
     own = timed_caps[v] if var.get("pipeline.order_timing") == "costs" else own_caps(stages, microbatches, v)
     if var.get("pipeline.stash_limit") == 0:

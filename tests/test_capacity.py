@@ -222,10 +222,10 @@ def test_a_timed_out_milp_is_reported_not_counted_as_no_fit(monkeypatch):
     plain = capacity_table(SEVENTY, ["1f1b"])[0]
     cut = plain["max_layers"] // 2  # from here on, pretend the MILP times out
 
-    def slow(sc, costs, schedule, *a):
+    def slow(sc, costs, schedule, *a, **kw):
         if sc.model.layers > cut:
             raise SolverTimeoutError("memory MILP: ran past its safety time limit")
-        return real(sc, costs, schedule, *a)
+        return real(sc, costs, schedule, *a, **kw)
 
     monkeypatch.setattr(capacity, "resolve_memory_plan", slow)
     ev = evaluate(SEVENTY, {}, POLICIES["1f1b"], plain["max_layers"])
