@@ -122,6 +122,9 @@ class Evaluation:
 
 
 JOINT_V = (2, 4)  # chunks per rank a joint chronos policy tries (even, as its zig-zag placement needs)
+# ZB-V's V-shaped order with a split backward, tried as one more chronos order (chronos_variants): the list
+# scheduler's nearest orders keep everything at ZB-V's speed only with more HBM (docs/memory.md)
+ZBV_ORDER: dict[str, Any] = {"pipeline.schedule": "zbv", "pipeline.virtual_stages": 2}
 KEEP: tuple[tuple[str, Any], ...] = ()  # a joint run's memory treatment, as sorted override items
 
 
@@ -163,8 +166,9 @@ def chronos_variants(stages: int, microbatches: int, layers: int, timed_caps: di
     tries the same set of orders, but not the same plans in each: `chronos+recomp` applies the chronos
     recompute rule to every variant and never tries keep-everything, and the planner runs the MILP only on the
     orders `planned_variant` names (keeping everything elsewhere), so a policy with more memory treatments is
-    not guaranteed to be faster than one with fewer at every depth."""
-    out = []
+    not guaranteed to be faster than one with fewer at every depth. ZB-V's own order (v = 2, `ZBV_ORDER`) is a
+    variant too, as V-Half's is, so every chronos policy is at least ZB-V under the same memory treatment."""
+    out = [dict(ZBV_ORDER)] if layers >= 2 * stages else []
     for v in JOINT_V:
         if layers < stages * v:
             continue
@@ -203,6 +207,8 @@ def planned_variant(stages: int, microbatches: int, var: dict[str, Any], timed_c
     at 80 layers, docs/memory.md); with a full B, its own cap on that clock only (OwnCaps.full_b; at 144 layers
     the best full-B plans measured were at the own caps, docs/memory.md). Each MILP costs 2-480 s at 48-320 layers;
     `_evaluate_joint` runs them in order of their bound and stops once none left can win."""
+    if var == ZBV_ORDER:
+        return True  # one order, planned with its W stash in HBM (planner_treatment)
     v, cap = var["pipeline.virtual_stages"], var["pipeline.admission_cap"]
     own = timed_caps[v] if var.get("pipeline.order_timing") == "costs" else own_caps(stages, microbatches, v)
     if var.get("pipeline.stash_limit") == 0:
@@ -212,7 +218,9 @@ def planned_variant(stages: int, microbatches: int, var: dict[str, Any], timed_c
 
 def variant_label(var: dict[str, Any]) -> str:
     """`v=2 cap=10`; with the W stash counted against the cap `v=2 cap=10 stash<=10`; without one, `... full-B`;
-    built on the step's costs (pipeline.order_timing = "costs"), `... timed`."""
+    built on the step's costs (pipeline.order_timing = "costs"), `... timed`; ZB-V's order `v=2 zbv`."""
+    if var == ZBV_ORDER:
+        return "v=2 zbv"
     stash = var.get("pipeline.stash_limit")
     tail = "" if stash is None else " full-B" if stash == 0 else f" stash<={stash}"
     timed = " timed" if var.get("pipeline.order_timing") == "costs" else ""
@@ -258,7 +266,7 @@ def planner_bound(sc_path: str | None, overrides: dict[str, Any], treatment: dic
     """Tokens/s no plan of the memory planner on this chronos order can beat (0 when none fits), from the MILP's
     LP relaxation (solver.memory_milp.makespan_lower_bound: seconds, where the MILP takes up to minutes); `keep`
     is the order's keep-everything step, which gives the step's tokens; inf where the relaxation bounds nothing."""
-    sc = load_scenario(sc_path, {**overrides, "pipeline.schedule": "chronos", "model.layers": layers, **treatment})
+    sc = load_scenario(sc_path, {"pipeline.schedule": "chronos", **overrides, "model.layers": layers, **treatment})
     seconds = makespan_lower_bound(sc, build_cost_table(sc), resolve_schedule(sc))
     if seconds is None:
         return 0.0
@@ -277,7 +285,8 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
         v = var["pipeline.virtual_stages"]
         key = (layers, sc.training.micro_batch_size, sc.pipeline.microbatches, variant_label(var), treatment)
         if key not in runs:
-            runs[key] = evaluate(sc_path, {**base_overrides, **var}, Policy(policy.name, "chronos", v, dict(treatment)),
+            schedule = var.get("pipeline.schedule", "chronos")
+            runs[key] = evaluate(sc_path, {**base_overrides, **var}, Policy(policy.name, schedule, v, dict(treatment)),
                                  layers)
         return key, runs[key]
 
