@@ -204,16 +204,18 @@ def planned_variant(stages: int, microbatches: int, var: dict[str, Any], timed_c
     """Whether the planner runs its MILP on this order: with a W stash, a cap from V-Half's up to chronos' own on
     the order's clock (on unit costs the two coincide at p = 8, v = 2; on the step's costs chronos' own is
     larger, and the caps between trade bubble against what must move: 0.962, 0.992, 0.939 at caps 14, 12, 10
-    at 80 layers, docs/memory.md); with a full B, its own cap on that clock only (OwnCaps.full_b; at 144 layers
-    the best full-B plans measured were at the own caps, docs/memory.md). Each MILP costs 2-480 s at 48-320 layers;
+    at 80 layers, docs/memory.md); with a full B, those caps and its own cap on that clock (OwnCaps.full_b; at 144
+    layers the best full-B plans measured were at the own caps, and past ~200 layers only the small caps fit,
+    docs/memory.md). Each MILP costs 2-480 s at 48-320 layers;
     `_evaluate_joint` runs them in order of their bound and stops once none left can win."""
     if var == ZBV_ORDER:
         return True  # one order, planned with its W stash in HBM (planner_treatment)
     v, cap = var["pipeline.virtual_stages"], var["pipeline.admission_cap"]
     own = timed_caps[v] if var.get("pipeline.order_timing") == "costs" else own_caps(stages, microbatches, v)
+    low = v_half_limit(stages) // 2 * v <= cap <= own.split
     if var.get("pipeline.stash_limit") == 0:
-        return cap == own.full_b
-    return v_half_limit(stages) // 2 * v <= cap <= own.split
+        return low or cap == own.full_b  # the small caps hold least: the deepest fits are theirs
+    return low
 
 
 def variant_label(var: dict[str, Any]) -> str:

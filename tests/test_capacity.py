@@ -146,8 +146,8 @@ def test_v_half_s_order_is_one_of_the_chronos_variants():
 
 def test_the_joint_search_builds_every_order_on_both_clocks_and_plans_the_caps_up_to_chronos_own():
     """With chronos' own cap on the step's costs given per v, each order is tried on unit costs and on the
-    step's costs; the MILP runs on the caps from V-Half's up to the order's own clock's chronos cap, and on a full
-    B's own cap."""
+    step's costs; the MILP runs on the caps from V-Half's up to the order's own clock's chronos cap, with or
+    without a W stash, and on a full B's own cap."""
     from analysis.capacity import ZBV_ORDER, chronos_variants, planned_variant, timed_own_caps, variant_label
     from sim.schedules.v_shape import chronos_plan
 
@@ -169,7 +169,8 @@ def test_the_joint_search_builds_every_order_on_both_clocks_and_plans_the_caps_u
         full_b = var.get("pipeline.stash_limit") == 0
         caps = timed[v] if var in on_costs else None
         own = (caps.full_b if full_b else caps.split) if caps else chronos_plan(p, m, v, full_b=full_b)[0]
-        planned = cap == own if full_b else v * 3 <= cap <= own  # V-Half's 3 microbatches at p = 4
+        split = caps.split if caps else chronos_plan(p, m, v)[0]
+        planned = v * 3 <= cap <= split or (full_b and cap == own)  # V-Half's 3 microbatches at p = 4
         assert planned_variant(p, m, var, timed) == planned
 
 
