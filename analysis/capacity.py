@@ -32,9 +32,10 @@ from typing import Any
 import numpy as np
 
 from sim.config import Scenario, load_scenario
-from sim.costs import build_cost_table
+from sim.costs import CostTable, build_cost_table
 from sim.engine import SimResult, simulate
 from sim.errors import ScenarioError
+from sim.ir import Schedule
 from sim.schedules.v_shape import ActionTimes, chronos_plan, deferred_w_limit, v_half_limit
 from sim.step import list_clock, resolve_schedule
 from solver.errors import SolverError, SolverTimeoutError
@@ -237,16 +238,7 @@ def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy
     size), so it may then return a slower plan or none."""
     if policy.joint:
         return _evaluate_joint(sc_path, base_overrides, policy, layers, {} if bounds is None else bounds, floor)
-    overrides = {
-        **base_overrides,
-        "pipeline.schedule": policy.schedule,
-        "pipeline.virtual_stages": policy.virtual_stages,
-        "model.layers": layers,
-        **policy.overrides,
-    }
-    sc = load_scenario(sc_path, overrides)
-    costs = build_cost_table(sc)
-    schedule = resolve_schedule(sc)
+    sc, costs, schedule = _policy_step(sc_path, base_overrides, policy, layers)
     try:
         memory = resolve_memory_plan(sc, costs, schedule, explain=False)  # only whether it fits matters here
     except MemoryInfeasibleError:
@@ -263,13 +255,21 @@ def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy
     return Evaluation(layers, not res.oom_over_limit, Outcome.of(res))
 
 
-def planner_bound(sc_path: str | None, overrides: dict[str, Any], treatment: dict[str, Any], layers: int,
+def _policy_step(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy, layers: int
+                 ) -> tuple[Scenario, CostTable, Schedule]:
+    """The scenario at `layers` under a (non-joint) policy, its cost table and its schedule."""
+    sc = load_scenario(sc_path, {**base_overrides, "pipeline.schedule": policy.schedule,
+                                 "pipeline.virtual_stages": policy.virtual_stages, "model.layers": layers,
+                                 **policy.overrides})
+    return sc, build_cost_table(sc), resolve_schedule(sc)
+
+
+def planner_bound(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy, layers: int,
                   keep: Outcome) -> float:
-    """Tokens/s no plan of the memory planner on this chronos order can beat (0 when none fits), from the MILP's
+    """Tokens/s no plan of the memory planner (`policy`, one order) can beat (0 when none fits), from the MILP's
     LP relaxation (solver.memory_milp.makespan_lower_bound: seconds, where the MILP takes up to minutes); `keep`
     is the order's keep-everything step, which gives the step's tokens; inf where the relaxation bounds nothing."""
-    sc = load_scenario(sc_path, {"pipeline.schedule": "chronos", **overrides, "model.layers": layers, **treatment})
-    seconds = makespan_lower_bound(sc, build_cost_table(sc), resolve_schedule(sc))
+    seconds = makespan_lower_bound(*_policy_step(sc_path, base_overrides, policy, layers))
     if seconds is None:
         return 0.0
     return math.inf if seconds <= 0 else keep.tokens_per_s * keep.makespan_s / seconds
@@ -283,13 +283,17 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
     order of their bound while they can still win (docs/memory.md)."""
     sc = load_scenario(sc_path, base_overrides)
 
+    def key_of(var: dict[str, Any], treatment: tuple[tuple[str, Any], ...]) -> tuple:
+        return layers, sc.training.micro_batch_size, sc.pipeline.microbatches, variant_label(var), treatment
+
+    def policy_of(var: dict[str, Any], treatment: tuple[tuple[str, Any], ...]) -> Policy:
+        return Policy(policy.name, var.get("pipeline.schedule", "chronos"), var["pipeline.virtual_stages"],
+                      dict(treatment))
+
     def run(var: dict[str, Any], treatment: tuple[tuple[str, Any], ...]) -> tuple[tuple, Evaluation]:
-        v = var["pipeline.virtual_stages"]
-        key = (layers, sc.training.micro_batch_size, sc.pipeline.microbatches, variant_label(var), treatment)
+        key = key_of(var, treatment)
         if key not in runs:
-            schedule = var.get("pipeline.schedule", "chronos")
-            runs[key] = evaluate(sc_path, {**base_overrides, **var}, Policy(policy.name, schedule, v, dict(treatment)),
-                                 layers)
+            runs[key] = evaluate(sc_path, {**base_overrides, **var}, policy_of(var, treatment), layers)
         return key, runs[key]
 
     p, m = sc.pipeline.stages, sc.pipeline.microbatches
@@ -303,11 +307,11 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
         bounds = []
         for var in planned:
             keep = run(var, KEEP)[1].result
-            key = (layers, sc.training.micro_batch_size, m, variant_label(var), planner_treatment(treatment, var))
-            if ("bound", *key) not in runs:
-                runs["bound", *key] = planner_bound(sc_path, {**base_overrides, **var}, dict(key[-1]), layers,
-                                                    keep)
-            bounds.append((min(keep.tokens_per_s, runs["bound", *key]), var))
+            how = planner_treatment(treatment, var)
+            key = ("bound", *key_of(var, how))
+            if key not in runs:
+                runs[key] = planner_bound(sc_path, {**base_overrides, **var}, policy_of(var, how), layers, keep)
+            bounds.append((min(keep.tokens_per_s, runs[key]), var))
         for bound, var in sorted(bounds, key=lambda b: -b[0]):
             best = _fastest(tried)
             if max(floor, best[1].result.tokens_per_s if best is not None else 0.0) >= bound:

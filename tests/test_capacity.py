@@ -204,7 +204,7 @@ def test_the_lp_bound_skips_only_plans_that_cannot_win():
                 continue
             how = dict(planner_treatment(treatment, var))
             plan = evaluate(SEVENTY, {**small, **var}, Policy("plan", schedule, v, how), layers)
-            bound = planner_bound(SEVENTY, {**small, **var}, how, layers, keep.result)
+            bound = planner_bound(SEVENTY, {**small, **var}, Policy("plan", schedule, v, how), layers, keep.result)
             assert bound > 0 if plan.fits else bound in (0.0, math.inf), (layers, var)  # inf: no optimum
             if plan.fits:
                 assert plan.result.tokens_per_s <= bound, (layers, var)

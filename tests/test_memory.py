@@ -217,13 +217,13 @@ def test_memory_planner_reports_the_smallest_hbm_when_nothing_fits():
     smallest = float(info.value.args[0].split("would do is ")[1].split(" GiB")[0])
     assert smallest > 8.0
     roomier = load_scenario(SEVENTY, {"model.layers": 64, "device.hbm_gib": math.ceil(smallest * 1.05)})
-    assert plan_memory(roomier, build_cost_table(roomier), resolve_schedule(roomier)).simulated.oom is False
+    roomy_costs, roomy_sched = build_cost_table(roomier), resolve_schedule(roomier)
+    roomy_step = plan_memory(roomier, roomy_costs, roomy_sched).simulated
+    assert roomy_step.oom is False
     # the LP relaxation's bound: None where no plan fits, never above the simulated step of a plan that does
     from solver.memory_milp import makespan_lower_bound
     assert makespan_lower_bound(sc, costs, sched) is None
-    roomy_costs, roomy_sched = build_cost_table(roomier), resolve_schedule(roomier)
-    assert 0 < makespan_lower_bound(roomier, roomy_costs, roomy_sched) <= plan_memory(
-        roomier, roomy_costs, roomy_sched).simulated.makespan_s
+    assert 0 < makespan_lower_bound(roomier, roomy_costs, roomy_sched) <= roomy_step.makespan_s
     # a search that only asks whether a plan fits skips the second MILP: the same error, without the size
     with pytest.raises(MemoryInfeasibleError, match=r"^memory: no keep/recompute/offload plan fits [^;]*$"):
         plan_memory(sc, costs, sched, explain=False)
