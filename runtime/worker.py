@@ -19,6 +19,7 @@ files present): a node that lacks them fails the job with one message naming the
 after training every rank's clock is compared with rank 0's (runtime/clock.py), so the timelines are on
 one clock. Any rank's exception is recorded by torchelastic (@record) and makes the launcher stop every
 rank and exit non-zero; collectives and P2P time out after `timeout_s`, so a lost peer can never hang the job.
+A rank that finished leaves without Python's interpreter teardown (runtime/launch.py says why).
 """
 
 from __future__ import annotations
@@ -174,4 +175,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from runtime.launch import exit_without_teardown
+
+    exit_without_teardown(main())
