@@ -168,9 +168,9 @@ def test_the_joint_search_builds_every_order_on_both_clocks_and_plans_the_caps_u
         v, cap = var["pipeline.virtual_stages"], var["pipeline.admission_cap"]
         full_b = var.get("pipeline.stash_limit") == 0
         caps = timed[v] if var in on_costs else None
-        own = (caps.full_b if full_b else caps.split) if caps else chronos_plan(p, m, v, full_b=full_b)[0]
         split = caps.split if caps else chronos_plan(p, m, v)[0]
-        planned = v * 3 <= cap <= split or (full_b and cap == own)  # V-Half's 3 microbatches at p = 4
+        own_full_b = caps.full_b if caps else chronos_plan(p, m, v, full_b=True)[0]
+        planned = v * 3 <= cap <= split or (full_b and cap == own_full_b)  # V-Half's 3 microbatches at p = 4
         assert planned_variant(p, m, var, timed) == planned
 
 

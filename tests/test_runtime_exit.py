@@ -22,4 +22,3 @@ def _last_call_is_a_broadcast(rank: int, world: int, out: str) -> int:
 def test_spawned_ranks_return_their_results_and_skip_the_interpreter_teardown(tmp_path):
     assert spawn(_last_call_is_a_broadcast, 2, str(tmp_path), timeout_s=120) == [4096, 4096]
     assert list(tmp_path.iterdir()) == []
-
