@@ -17,13 +17,15 @@ Given micro-batch sizes (`evaluate_sizes`), every policy also chooses, per depth
 batch is cut into microbatches; plain 1F1B too, so the reference of every ratio follows.
 
 Evaluations are deterministic and independent of each other, so with `jobs` > 1 they run in worker processes
-(each policy's depth search in one; the target and frontier depths all at once) and give the serial answer.
+(each policy's depth search in one; the target and frontier depths all at once) and give the serial answer;
+for the same reason a journal (analysis.capacity_journal) can keep them for a later run to resume from.
 """
 
 from __future__ import annotations
 
 import math
 import multiprocessing
+import signal
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
@@ -31,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from analysis.capacity_journal import Journal, depth_key
 from sim.config import Scenario, load_scenario
 from sim.costs import CostTable, build_cost_table
 from sim.engine import SimResult, simulate
@@ -120,6 +123,28 @@ class Evaluation:
     unknown: bool = False  # the MILP hit its safety time limit: neither a fit nor no fit (`fits` is False)
     note: str = ""  # why unknown, or that the plan is the MILP's unproven incumbent
     micro_batch_size: int | None = None  # the size evaluated, or chosen from several (evaluate_sizes)
+
+    def to_json(self) -> dict[str, Any]:
+        """As JSON data for the journal (capacity_journal), floats exact."""
+        r = self.result
+        result = None if r is None else {
+            "tokens_per_s": r.tokens_per_s, "makespan_s": r.makespan_s, "mfu": r.mfu,
+            "peak_hbm_bytes": [float(b) for b in np.asarray(r.peak_hbm_bytes, dtype=float)],
+            "oom_over_limit": bool(r.oom_over_limit)}
+        return {"layers": self.layers, "fits": self.fits, "result": result, "variant": self.variant,
+                "note": self.note, "micro_batch_size": self.micro_batch_size}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Evaluation:
+        """`to_json`'s inverse; KeyError, TypeError or ValueError on data it did not write."""
+        r = d["result"]
+        result = None if r is None else Outcome(
+            None if r["tokens_per_s"] is None else float(r["tokens_per_s"]), float(r["makespan_s"]),
+            None if r["mfu"] is None else float(r["mfu"]), np.asarray(r["peak_hbm_bytes"], dtype=float),
+            bool(r["oom_over_limit"]))
+        size = d["micro_batch_size"]
+        return cls(int(d["layers"]), bool(d["fits"]), result, str(d["variant"]), False, str(d["note"]),
+                   None if size is None else int(size))
 
 
 JOINT_V = (2, 4)  # chunks per rank a joint chronos policy tries (even, as its zig-zag placement needs)
@@ -412,21 +437,37 @@ class PolicyDepths:
 
     def __init__(self, sc_path: str | None, overrides: dict[str, Any], policy: Policy, stages: int,
                  bounds: dict | None = None, progress: Callable[[str], None] | None = None,
-                 sizes: tuple[int, ...] = ()):
+                 sizes: tuple[int, ...] = (), journal: Journal | None = None):
         self.sc_path, self.overrides, self.policy, self.stages = sc_path, overrides, policy, stages
         self.sizes = sizes  # micro-batch sizes to choose from per depth (evaluate_sizes); () = the scenario's
         self.step = stages * policy.virtual_stages  # depths are multiples of the chunk count
         self._cache: dict[int, Evaluation] = {}
         self.bounds = {} if bounds is None else bounds  # joint policies' keep-everything runs, shared
         self.progress = progress
+        self.journal = journal  # every evaluation recorded as it is made, for a later run to resume from
+        self.key = "" if journal is None else depth_key(sc_path, overrides, {
+            "name": policy.name, "schedule": policy.schedule, "virtual_stages": policy.virtual_stages,
+            "overrides": policy.overrides, "joint": policy.joint}, sizes)
+        if journal is not None:
+            for layers, data in journal.entries(self.key).items():
+                try:
+                    self._cache[layers] = Evaluation.from_json(data)
+                except (KeyError, TypeError, ValueError):  # not what to_json writes: evaluate it again
+                    journal.damaged += 1
+        self.resumed = len(self._cache)  # evaluations an earlier run made
 
     def __call__(self, layers: int) -> Evaluation:
         if layers not in self._cache:
             if self.progress:
                 self.progress(f"{self.policy.name} at {layers} layers")
-            self._cache[layers] = evaluate_sizes(self.sc_path, self.overrides, self.policy, layers, self.bounds,
-                                                 self.sizes)
+            self.record(evaluate_sizes(self.sc_path, self.overrides, self.policy, layers, self.bounds, self.sizes))
         return self._cache[layers]
+
+    def record(self, ev: Evaluation) -> None:
+        """Take a new evaluation (made here or in a worker process) and journal it."""
+        self._cache[ev.layers] = ev
+        if self.journal is not None and not ev.unknown:  # a timed-out MILP: a later run tries again
+            self.journal.append(self.key, ev.to_json())
 
     def evaluated(self) -> dict[int, Evaluation]:
         """Every depth evaluated so far."""
@@ -436,8 +477,27 @@ class PolicyDepths:
         return layers in self._cache
 
     def store(self, evaluations: dict[int, Evaluation]) -> None:
-        """Take evaluations made elsewhere (a worker process) as this policy's own."""
+        """Take evaluations made and journaled elsewhere (a worker's depth search) as this policy's own."""
         self._cache.update(evaluations)
+        if self.journal is not None:
+            for ev in evaluations.values():
+                if not ev.unknown:
+                    self.journal.remember(self.key, ev.to_json())
+
+    def replays(self, own: int) -> bool:
+        """Whether the depth search (and the scenario's own depth) needs no evaluation not made yet."""
+        def known(layers: int) -> Evaluation:
+            if layers not in self._cache:
+                raise LookupError(layers)
+            return self._cache[layers]
+
+        try:
+            max_layers(known, self.step)
+            if own % self.step == 0:
+                known(own)
+        except LookupError:
+            return False
+        return True
 
     def round_up(self, layers: float) -> int:
         return max(self.step, -(-int(layers * 1000) // (1000 * self.step)) * self.step)
@@ -447,18 +507,35 @@ def _in_workers(jobs: int, calls: dict[Hashable, tuple[Callable, tuple]]) -> Ite
     """Run each `key: (function, args)` in up to `jobs` fresh worker processes and yield (key, result) as each
     finishes (spawned, not forked: HiGHS keeps one thread pool per process, solver/highs.py, which a forked
     child would inherit in whatever state the parent left it)."""
-    with ProcessPoolExecutor(max_workers=min(jobs, len(calls)), mp_context=multiprocessing.get_context("spawn")
-                             ) as pool:
-        futures = {pool.submit(function, *args): key for key, (function, args) in calls.items()}
-        for done in as_completed(futures):
-            yield futures[done], done.result()
+    with ProcessPoolExecutor(max_workers=min(jobs, len(calls)), mp_context=multiprocessing.get_context("spawn"),
+                             initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
+        try:
+            futures = {pool.submit(function, *args): key for key, (function, args) in calls.items()}
+            for done in as_completed(futures):
+                yield futures[done], done.result()
+        except BaseException:  # Ctrl-C (the workers ignore it: no traceback from each) or a failure: stop them
+            _stop_workers(pool)
+            raise
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """End the workers now rather than after their current evaluation (minutes of MILP): what they journaled
+    stays, whole lines only (capacity_journal)."""
+    stop = getattr(pool, "terminate_workers", None)  # Python 3.14
+    if stop is not None:
+        stop()
+        return
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.terminate()
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _search(sc_path: str | None, overrides: dict[str, Any], name: str, stages: int, own: int,
-            sizes: tuple[int, ...] = ()) -> dict[int, Evaluation]:
+            sizes: tuple[int, ...] = (), journal: Journal | None = None) -> dict[int, Evaluation]:
     """A worker's share of `capacity_table`: one policy's depth search and its scenario depth, with every
-    evaluation made on the way (the parent replays the search on them without evaluating again)."""
-    fits = PolicyDepths(sc_path, overrides, POLICIES[name], stages, sizes=sizes)
+    evaluation made on the way (the parent replays the search on them without evaluating again); each is
+    journaled here as it is made, so a run stopped during a long search keeps what it had."""
+    fits = PolicyDepths(sc_path, overrides, POLICIES[name], stages, sizes=sizes, journal=journal)
     max_layers(fits, fits.step)
     if own % fits.step == 0:
         fits(own)
@@ -469,11 +546,12 @@ def _search_all(depths: dict[str, PolicyDepths], own: int, jobs: int,
                 detail: Callable[[str], None] | None) -> None:
     """Every policy's depth search at once, in up to `jobs` processes, the planner's and the joint ones first
     (they take longest)."""
-    names = sorted(depths, key=lambda n: (not depths[n].policy.planner, not depths[n].policy.joint))
+    names = sorted((n for n in depths if not depths[n].replays(own)),
+                   key=lambda n: (not depths[n].policy.planner, not depths[n].policy.joint))
     if len(names) <= 1:  # no company: the caller's own search is as fast
         return
-    calls = {n: (_search, (depths[n].sc_path, depths[n].overrides, n, depths[n].stages, own, depths[n].sizes))
-             for n in names}
+    calls = {n: (_search, (depths[n].sc_path, depths[n].overrides, n, depths[n].stages, own, depths[n].sizes,
+                           depths[n].journal)) for n in names}
     for n, evaluations in _in_workers(jobs, calls):
         depths[n].store(evaluations)
         if detail:
@@ -493,7 +571,7 @@ def evaluate_all(depths: dict[str, PolicyDepths], pairs: Iterable[tuple[str, int
                                              None, depths[n].sizes))
              for n, layers in todo}
     for (n, layers), ev in _in_workers(jobs, calls):
-        depths[n].store({layers: ev})
+        depths[n].record(ev)
         if detail:
             detail(f"{n} at {layers} layers")
 
@@ -508,13 +586,15 @@ def capacity_table(
     detail: Callable[[str], None] | None = None,
     jobs: int = 1,
     micro_batch_sizes: Iterable[int] = (),
+    journal: Journal | None = None,
 ) -> list[dict]:
     """One row per policy: max layers and params that fit, throughput there, the scenario's own depth, and
     the depth `target_ratio` x plain 1F1B's maximum (ChronosPipe's 2.4x claim): fits there, and how fast.
     `depths` (filled here when given) keeps every evaluation for a later frontier; `overrides` (--set) apply
     under every policy; `detail` hears of every depth evaluated; `jobs` > 1 runs the evaluations in that many
     processes (module docstring); `micro_batch_sizes` lets every policy, plain 1F1B's reference included,
-    take the fastest of these sizes that fits at each depth, the global batch fixed (`evaluate_sizes`)."""
+    take the fastest of these sizes that fits at each depth, the global batch fixed (`evaluate_sizes`); a
+    `journal` supplies the evaluations of an earlier run with the same inputs and records every new one."""
     base = load_scenario(sc_path, overrides)
     if base.model is None:
         raise ScenarioError("capacity: needs a [model] scenario (explicit costs have no depth to vary)")
@@ -532,9 +612,9 @@ def capacity_table(
         batch_overrides(base, size)
     for name in policies:
         depths.setdefault(name, PolicyDepths(sc_path, keep, POLICIES[name], base.pipeline.stages, bounds, detail,
-                                             sizes))
+                                             sizes, journal))
     if jobs > 1:
-        _search_all({n: depths[n] for n in policies if not depths[n].evaluated()}, own, jobs, detail)
+        _search_all({n: depths[n] for n in policies}, own, jobs, detail)
     rows = []
     for name in policies:
         if progress:

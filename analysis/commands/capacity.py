@@ -4,14 +4,22 @@
     pipeplan capacity llama2-70b-48l-pp8-tp8-a100 --frontier --min-throughput 0.95
     pipeplan capacity --policies 1f1b,zbv --set training.micro_batch_size=2 --out out/cap-mbs2   # seconds
     pipeplan capacity --policies 1f1b,1f1b+recompute,zbv --micro-batch-sizes 4,2,1 --frontier   # same global batch
+
+Stopped part-way (Ctrl-C, a crash), the same command resumes from --out's evaluations.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from analysis.commands.simulate import add_scenario_argument, add_set_argument, scenario_overrides
+
+if TYPE_CHECKING:
+    from analysis.capacity_journal import Journal
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="worker processes: each policy's depth search in one, the target and frontier depths "
                              "spread over all; the same answer as --jobs 1 (default: this machine's CPUs)")
-    parser.add_argument("--out", default="out/capacity", help="output folder (default: out/capacity)")
+    parser.add_argument("--out", default="out/capacity",
+                        help="output folder (default: out/capacity); every depth evaluated is kept in its "
+                             "evaluations.jsonl as it finishes, and the same command run again resumes from it")
     add_force_argument(parser)
 
 
@@ -49,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from analysis.capacity import FRONTIER_COLUMNS, PolicyDepths, capacity_table, deepest_at, frontier_table
+    from analysis.capacity_journal import JOURNAL
     from analysis.capacity_plots import capacity_plot, frontier_plot, print_capacity, print_frontier
     from analysis.outputs import output_folder, scenario_title
     from common.io import atomic_write_text
@@ -69,29 +80,44 @@ def run(args: argparse.Namespace) -> int:
     if args.frontier and "1f1b" not in policies:
         policies.insert(0, "1f1b")  # the reference every frontier row is measured against
     depths: dict[str, PolicyDepths] = {}
-    with Progress(transient=True) as bar:
-        task = bar.add_task("capacity", total=len(policies) * (2 if args.frontier else 1))
+    journal = open_journal(args)
+    try:
+        with Progress(transient=True) as bar:
+            task = bar.add_task("capacity", total=len(policies) * (2 if args.frontier else 1))
 
-        def step(name: str) -> None:
-            bar.update(task, advance=1, description=f"capacity: {name}")
+            def step(name: str) -> None:
+                bar.update(task, advance=1, description=f"capacity: {name}")
 
-        def detail(what: str) -> None:  # every depth evaluated: the MILP policies take seconds per depth
-            bar.update(task, description=f"capacity: {what}")
+            def detail(what: str) -> None:  # every depth evaluated: the MILP policies take seconds per depth
+                bar.update(task, description=f"capacity: {what}")
 
-        rows = capacity_table(args.scenario, policies, progress=step, target_ratio=args.target_ratio,
-                              depths=depths, overrides=scenario_overrides(args), detail=detail, jobs=args.jobs,
-                              micro_batch_sizes=sizes)
-        frontier = (frontier_table(rows, depths, args.points, progress=step, jobs=args.jobs, detail=detail)
-                    if args.frontier else None)
+            rows = capacity_table(args.scenario, policies, progress=step, target_ratio=args.target_ratio,
+                                  depths=depths, overrides=scenario_overrides(args), detail=detail, jobs=args.jobs,
+                                  micro_batch_sizes=sizes, journal=journal)
+            frontier = (frontier_table(rows, depths, args.points, progress=step, jobs=args.jobs, detail=detail)
+                        if args.frontier else None)
+            if frontier is not None:  # the bisection towards each answer evaluates depths too
+                ref = next(r["layer_tokens_per_s"] for r in rows if r["policy"] == "1f1b")
+                answers = {p: deepest_at(frontier, depths[p], args.min_throughput, ref) for p in policies}
+    except KeyboardInterrupt:
+        kept = f"the depths evaluated are kept in {journal.path}; run the same command again to resume" \
+            if journal.live and journal.path.is_file() else "nothing was written"
+        print(f"pipeplan capacity: interrupted; {kept}", file=sys.stderr)
+        return 130
+    resumed = sum(d.resumed for d in depths.values())
+    if resumed:
+        print(f"resumed {resumed} evaluation(s) from {journal.path}")
+    if journal.damaged:
+        print(f"warning: {journal.path}: {journal.damaged} damaged line(s) skipped; those depths were evaluated "
+              "again", file=sys.stderr)
     df = pd.DataFrame(rows)
-    written = ["capacity.csv", "capacity.png"]
+    written = ["capacity.csv", "capacity.png", JOURNAL]
     with output_folder(args) as stage:
+        journal.write_to(stage)
         atomic_write_text(stage / "capacity.csv", df.to_csv(index=False))
         capacity_plot(df, stage / "capacity.png",
                       scenario_title(load_scenario(args.scenario, scenario_overrides(args)), args.scenario))
         if frontier is not None:
-            ref = df.set_index("policy").loc["1f1b", "layer_tokens_per_s"]
-            answers = {p: deepest_at(frontier, depths[p], args.min_throughput, ref) for p in policies}
             fdf = pd.DataFrame(frontier, columns=FRONTIER_COLUMNS)
             atomic_write_text(stage / "frontier.csv", fdf.to_csv(index=False))
             frontier_plot(fdf, answers, args.min_throughput, stage / "frontier.png")
@@ -111,3 +137,14 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     if not all(t.isdigit() and int(t) > 0 for t in parts):
         raise ScenarioError(f"--micro-batch-sizes: {text!r}; give positive integers separated by commas, e.g. 4,2,1")
     return tuple(dict.fromkeys(int(t) for t in parts))
+
+
+def open_journal(args: argparse.Namespace) -> Journal:
+    """The evaluations journal in --out: live (appended as the run goes, read to resume) when the folder is absent,
+    empty or capacity's own; held in memory until the end when --force replaces another command's folder."""
+    from analysis.capacity_journal import Journal
+    from common.io import output_manifest
+
+    out = Path(args.out)
+    ours = not out.exists() or not any(out.iterdir()) or (output_manifest(out) or {}).get("command") == "capacity"
+    return Journal(out, live=ours).check()
