@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from analysis.version import pipeplan_version
-from common.io import MANIFEST, OutputPathError, atomic_write_text, check_output_file, strict_json
+from common.io import MANIFEST, OutputPathError, append_fsynced, atomic_write_text, check_output_file, strict_json
 from sim.config import load_scenario
 
 JOURNAL = "evaluations.jsonl"
@@ -58,6 +58,7 @@ class Journal:
     holds another command's outputs, replaced only at the end with --force)."""
 
     folder: Path
+    manifest: dict[str, Any]  # the folder's pipeplan.json (analysis.outputs.manifest), if the journal makes it
     live: bool = True
     _entries: dict[str, dict[int, dict[str, Any]]] | None = field(default=None, repr=False)
     damaged: int = 0  # lines that could not be read (a torn last line, garbage): evaluated again
@@ -67,7 +68,8 @@ class Journal:
         return self.folder / JOURNAL
 
     def __getstate__(self) -> dict[str, Any]:  # a worker process reads the file itself
-        return {"folder": self.folder, "live": self.live, "_entries": None, "damaged": 0}
+        return {"folder": self.folder, "manifest": self.manifest, "live": self.live, "_entries": None,
+                "damaged": 0}
 
     def check(self) -> Journal:
         """Refuse, before any work, a journal that is not a regular file or is larger than any run writes."""
@@ -112,18 +114,8 @@ class Journal:
             return
         if not self.folder.exists():  # the first evaluation makes the folder, ours from the start
             self.folder.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.folder / MANIFEST, strict_json({"command": "capacity", "scenario": None,
-                                                                   "pipeplan_version": pipeplan_version()}))
-        line = (json.dumps({"key": key, "evaluation": ev}, allow_nan=False) + "\n").encode()
-        fd = os.open(check_output_file(self.path), os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            size = os.fstat(fd).st_size
-            if size and os.pread(fd, 1, size - 1) != b"\n":  # a line torn by a crash: start after it, not on it
-                line = b"\n" + line
-            os.write(fd, line)  # one write on O_APPEND: lines from several worker processes never interleave
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            atomic_write_text(self.folder / MANIFEST, strict_json(self.manifest))
+        append_fsynced(self.path, (json.dumps({"key": key, "evaluation": ev}, allow_nan=False) + "\n").encode())
 
     def write_to(self, folder: Path) -> None:
         """Every evaluation known (journaled and new; damaged lines left out), as one journal in `folder`."""

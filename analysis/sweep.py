@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 import sys
 import tomllib
 from collections.abc import Callable, Iterator
@@ -20,6 +19,7 @@ from typing import Annotated, Any, NamedTuple, get_args
 
 import pandas as pd
 
+from common.io import append_fsynced
 from sim.errors import PipeplanError
 
 METRICS = ["status", "reason", "gpus", "global_batch", "tokens_per_s", "tokens_per_s_per_gpu", "step_time_s",
@@ -243,12 +243,7 @@ def repair_sweep_csv(path: Path, columns: list[str], base: dict[str, Any] | None
     if tail:
         bad.append(tail)
     if bad:
-        fd = os.open(path.parent / REJECTED, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, b"".join(line + b"\n" for line in bad))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        append_fsynced(path.parent / REJECTED, b"".join(line + b"\n" for line in bad))
         _rewrite(path, [header, *good])
     return len(bad)
 
@@ -286,14 +281,7 @@ def _cell_value(text: str) -> Any:
 def append_row(path: Path, row: dict[str, Any], columns: list[str]) -> None:
     row = {k: " ".join(v.split()) if isinstance(v, str) else v for k, v in row.items()}  # one line per row
     line = pd.DataFrame([row], columns=columns).to_csv(index=False, header=False)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        if os.fstat(fd).st_size == 0:
-            line = ",".join(columns) + "\n" + line
-        os.write(fd, line.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    append_fsynced(path, line.encode(), first=(",".join(columns) + "\n").encode())
 
 
 def run_sweep(

@@ -134,6 +134,23 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         raise
 
 
+def append_fsynced(path: str | Path, data: bytes, first: bytes = b"") -> None:
+    """Append `data` to the regular file `path` in one `write` on an O_APPEND descriptor, then fsync: records
+    from several processes never interleave and a crash tears at most the last. `first` goes before `data` when
+    the file is new or empty (a CSV header); after a torn last line, a newline does, so `data` starts a line."""
+    fd = os.open(check_output_file(path), os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            data = first + data
+        elif os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

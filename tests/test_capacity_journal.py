@@ -20,7 +20,7 @@ POLICIES = ["1f1b", "v-half"]
 
 def _run(folder, overrides=None, jobs=1):
     """capacity and a 3-point frontier with a journal in `folder`: (rows, frontier, journal)."""
-    journal = Journal(folder)
+    journal = Journal(folder, {"command": "capacity", "scenario": SEVENTY, "pipeplan_version": "test"})
     depths: dict = {}
     rows = capacity_table(SEVENTY, POLICIES, depths=depths, overrides=overrides, jobs=jobs, journal=journal)
     return rows, frontier_table(rows, depths, 3, jobs=jobs), journal

@@ -143,8 +143,13 @@ def open_journal(args: argparse.Namespace) -> Journal:
     """The evaluations journal in --out: live (appended as the run goes, read to resume) when the folder is absent,
     empty or capacity's own; held in memory until the end when --force replaces another command's folder."""
     from analysis.capacity_journal import Journal
-    from common.io import output_manifest
+    from analysis.outputs import command_name, manifest
+    from common.io import OutputPathError, check_folder_owner
 
     out = Path(args.out)
-    ours = not out.exists() or not any(out.iterdir()) or (output_manifest(out) or {}).get("command") == "capacity"
-    return Journal(out, live=ours).check()
+    try:
+        check_folder_owner(out, command_name(args), force=False)
+        ours = True
+    except OutputPathError:  # only with --force (main refused it before): replaced as a whole at the end
+        ours = False
+    return Journal(out, manifest(args), live=ours).check()
