@@ -27,8 +27,8 @@ from sim.config import load_scenario
 
 JOURNAL = "evaluations.jsonl"
 MAX_JOURNAL_BYTES = 256 * 2**20
-"""A line is ~0.4-0.7 kB and a default --frontier run of the 70B scenario writes a few hundred: a journal past
-this was not written by capacity, and is refused before any work rather than read into memory."""
+"""The default --frontier run of the 70B scenario wrote 71 lines, 29.6 kB (measured, docs/memory.md): a journal
+past this, ~9,000 times that, was not written by capacity, and is refused before any work, not read into memory."""
 
 
 @cache
