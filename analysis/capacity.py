@@ -576,6 +576,19 @@ def evaluate_all(depths: dict[str, PolicyDepths], pairs: Iterable[tuple[str, int
             detail(f"{n} at {layers} layers")
 
 
+def checked_scenario(sc_path: str | None, policies: list[str], overrides: dict[str, Any] | None = None) -> Scenario:
+    """The scenario capacity varies, with the policy names checked: bad input is one line before any work."""
+    base = load_scenario(sc_path, overrides)
+    if base.model is None:
+        raise ScenarioError("capacity: needs a [model] scenario (explicit costs have no depth to vary)")
+    unknown = [p for p in policies if p not in POLICIES]
+    if not policies:
+        raise ScenarioError(f"--policies: give at least one; allowed: {', '.join(POLICIES)}")
+    if unknown:
+        raise ScenarioError(f"--policies: unknown {', '.join(unknown)}; allowed: {', '.join(POLICIES)}")
+    return base
+
+
 def capacity_table(
     sc_path: str | None,
     policies: list[str],
@@ -595,14 +608,7 @@ def capacity_table(
     processes (module docstring); `micro_batch_sizes` lets every policy, plain 1F1B's reference included,
     take the fastest of these sizes that fits at each depth, the global batch fixed (`evaluate_sizes`); a
     `journal` supplies the evaluations of an earlier run with the same inputs and records every new one."""
-    base = load_scenario(sc_path, overrides)
-    if base.model is None:
-        raise ScenarioError("capacity: needs a [model] scenario (explicit costs have no depth to vary)")
-    unknown = [p for p in policies if p not in POLICIES]
-    if not policies:
-        raise ScenarioError(f"--policies: give at least one; allowed: {', '.join(POLICIES)}")
-    if unknown:
-        raise ScenarioError(f"--policies: unknown {', '.join(unknown)}; allowed: {', '.join(POLICIES)}")
+    base = checked_scenario(sc_path, policies, overrides)
     keep = {**(overrides or {}), "memory.hbm_margin_gib": base.memory.hbm_margin_gib}
     depths = {} if depths is None else depths
     bounds: dict = {}

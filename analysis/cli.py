@@ -57,8 +57,9 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, one_line(f"{self.prog}: error: {message}") + "\n")
 
 
-MAX_ERROR_CHARS = 200
-"""An error line is cut to this length: inputs echoed in messages can be megabytes long."""
+MAX_ERROR_CHARS = 400
+"""An error line is cut to this length: inputs echoed in messages can be megabytes long, while the longest list
+of what is allowed (capacity's policies, the shipped scenarios, a published CSV's columns) must still fit."""
 
 
 def one_line(message: str, limit: int = MAX_ERROR_CHARS) -> str:

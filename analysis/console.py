@@ -28,6 +28,14 @@ def busy(what: str) -> Iterator[None]:
         yield
 
 
+def transient_bar(*columns: Any) -> Any:
+    """A progress bar that is gone when it ends, drawn only on a terminal: in a log or a pipe it would leave an
+    empty line behind, which breaks a bad input's one-line message."""
+    from rich.progress import Progress
+
+    return Progress(*columns, console=console, transient=True, disable=not console.is_terminal)
+
+
 def gib(x: float) -> str:
     return f"{x / 2**30:.2f}"
 

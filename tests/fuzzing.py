@@ -27,10 +27,10 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from analysis.cli import main
+from analysis.cli import MAX_ERROR_CHARS, main
 from scenarios import scenario_path
 
-MAX_LINE = 200
+MAX_LINE = MAX_ERROR_CHARS
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "v-half", "chronos"]
 BASES = {"unit": str(scenario_path("explicit-unit")), "tiny": str(scenario_path("tiny-cpu"))}
 

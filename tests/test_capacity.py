@@ -7,7 +7,7 @@ import math
 import pandas as pd
 import pytest
 
-from analysis.capacity import Evaluation, max_layers
+from analysis.capacity import POLICIES, Evaluation, max_layers
 from analysis.cli import main
 from scenarios import scenario_path
 
@@ -42,9 +42,11 @@ def test_capacity_bad_input(tmp_path, capsys):
     assert main(["capacity", SEVENTY, "--policies", "magic", "--out", str(tmp_path / "a")]) == 2
     assert main(["capacity", str(scenario_path("explicit-unit")), "--out", str(tmp_path / "b")]) == 2
     assert main(["capacity", SEVENTY, "--policies", ",", "--out", str(tmp_path / "c")]) == 2  # no name at all
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert "unknown magic; allowed: 1f1b" in err and "needs a [model] scenario" in err
     assert "--policies: give at least one; allowed: 1f1b" in err
+    assert f"{', '.join(POLICIES)}\n" in err  # every name allowed, none cut off by the one-line limit
+    assert out == ""  # refused before any progress bar: not even an empty line on stdout
     assert not any((tmp_path / name).exists() for name in "abc")
 
 

@@ -104,16 +104,19 @@ def _bad_csv(tmp_path, text: str) -> str:
         (["simulate", "--schedule", "1f1b", "--schedule-csv", "x.csv"], "not allowed with argument"),
         (["simulate", "--bogus"], "unrecognized arguments"),
         (["nope"], "invalid choice"),
+        (["plan", "--sweep-cap", "--set", "pipeline.microbatches=100000"], "the limit is 524,288"),  # behind a bar
+        (["validate", "--published", "missing.csv"], "missing.csv"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, expected, tmp_path, capsys):
     out = tmp_path / "out"
     try:
-        code = main([*argv, "--out", str(out)] if argv[0] == "simulate" and "--bogus" not in argv else argv)
+        code = main([*argv, "--out", str(out)] if argv[0] != "nope" and "--bogus" not in argv else argv)
     except SystemExit as exc:
         code = exc.code
-    err = capsys.readouterr().err
+    stdout, err = capsys.readouterr()
     assert code == 2
+    assert stdout == ""  # not even the empty line a progress bar leaves in a log
     assert expected in err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not out.exists()

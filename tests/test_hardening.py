@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis.cli import main
+from analysis.cli import MAX_ERROR_CHARS, main
 from analysis.sweep import parse_grid, run_sweep, validate_grid
 from common.io import (
     OutputPathError,
@@ -28,10 +28,11 @@ EIGHT_B = str(scenario_path("llama3-8b-pp4-h100"))
 
 
 def refused(argv: list[str], capsys) -> str:
-    """Run the CLI, expect exit 2 with one line of at most 200 characters; return the line."""
+    """Run the CLI, expect exit 2 with one line of at most MAX_ERROR_CHARS characters; return the line."""
     assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and len(err) <= 201 and "Traceback" not in err, err
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and len(err) <= MAX_ERROR_CHARS + 1 and "Traceback" not in err, err
+    assert out == "", out  # nothing on stdout either, not even a progress bar's last line
     return err
 
 

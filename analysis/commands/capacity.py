@@ -56,14 +56,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import pandas as pd
-    from rich.progress import Progress
 
-    from analysis.capacity import FRONTIER_COLUMNS, PolicyDepths, capacity_table, deepest_at, frontier_table
+    from analysis.capacity import (
+        FRONTIER_COLUMNS,
+        PolicyDepths,
+        capacity_table,
+        checked_scenario,
+        deepest_at,
+        frontier_table,
+    )
     from analysis.capacity_journal import JOURNAL
     from analysis.capacity_plots import capacity_plot, frontier_plot, print_capacity, print_frontier
+    from analysis.console import transient_bar
     from analysis.outputs import output_folder, scenario_title
     from common.io import atomic_write_text
-    from sim.config import load_scenario
     from sim.errors import ScenarioError
     from sim.limits import MAX_JOBS
 
@@ -79,10 +85,11 @@ def run(args: argparse.Namespace) -> int:
     sizes = parse_sizes(args.micro_batch_sizes)
     if args.frontier and "1f1b" not in policies:
         policies.insert(0, "1f1b")  # the reference every frontier row is measured against
+    base = checked_scenario(args.scenario, policies, scenario_overrides(args))  # one line, before any work
     depths: dict[str, PolicyDepths] = {}
     journal = open_journal(args)
     try:
-        with Progress(transient=True) as bar:
+        with transient_bar() as bar:
             task = bar.add_task("capacity", total=len(policies) * (2 if args.frontier else 1))
 
             def step(name: str) -> None:
@@ -116,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         journal.write_to(stage)
         atomic_write_text(stage / "capacity.csv", df.to_csv(index=False))
         capacity_plot(df, stage / "capacity.png",
-                      scenario_title(load_scenario(args.scenario, scenario_overrides(args)), args.scenario))
+                      scenario_title(base, args.scenario))
         if frontier is not None:
             fdf = pd.DataFrame(frontier, columns=FRONTIER_COLUMNS)
             atomic_write_text(stage / "frontier.csv", fdf.to_csv(index=False))

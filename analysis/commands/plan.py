@@ -25,7 +25,7 @@ from analysis.commands.simulate import (
     add_set_argument,
     scenario_overrides,
 )
-from analysis.console import busy, console, fit_line, gib
+from analysis.console import busy, console, fit_line, gib, transient_bar
 from analysis.freeze_plots import freeze_heatmap, sweep_plot
 from analysis.outputs import add_force_argument, output_folder, scenario_title, write_simulation
 from analysis.plots import gantt
@@ -279,7 +279,6 @@ def print_plan(s: dict[str, Any]) -> None:
 
 
 def _run_sweep(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
 
     overrides = {k: v for k, v in scenario_overrides(args).items() if k != "pipeline.schedule"}
     schedules = sweep_schedules()
@@ -288,7 +287,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
         schedules = {args.schedule: args.virtual_stages or (spec.virtual_stages if spec else 1)}
     overrides.pop("pipeline.virtual_stages", None)
     caps = [round(0.1 * k, 1) for k in range(10)]
-    with Progress(console=console, transient=True) as progress:
+    with transient_bar() as progress:
         task = progress.add_task("plan --sweep-cap", total=len(schedules) * len(caps))
         rows = sweep_caps(
             args.scenario,

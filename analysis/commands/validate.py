@@ -23,8 +23,8 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     import pandas as pd
-    from rich.progress import Progress
 
+    from analysis.console import transient_bar
     from analysis.outputs import output_folder
     from analysis.validation import (
         OUTPUT_COLUMNS,
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     path = Path(args.published) if args.published else PUBLISHED_CSV
     figures = load_published(path)  # bad input is one line, before any progress bar
-    with Progress(transient=True) as bar:
+    with transient_bar() as bar:
         task = bar.add_task("validate", total=None)
 
         def step(done: int, total: int, what: str) -> None:
