@@ -279,7 +279,6 @@ def print_plan(s: dict[str, Any]) -> None:
 
 
 def _run_sweep(args: argparse.Namespace) -> int:
-
     overrides = {k: v for k, v in scenario_overrides(args).items() if k != "pipeline.schedule"}
     schedules = sweep_schedules()
     if args.schedule:
