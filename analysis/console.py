@@ -5,10 +5,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, ProgressColumn
 
 console = Console(width=None if sys.stdout.isatty() else 160)  # logs and pipes get full tables
 
@@ -17,18 +20,14 @@ console = Console(width=None if sys.stdout.isatty() else 160)  # logs and pipes 
 def busy(what: str) -> Iterator[None]:
     """A spinner with the elapsed time for work of unknown length (ranks training, an LP with its baselines);
     gone when it ends, and never drawn into logs or pipes."""
-    if not console.is_terminal:
-        yield
-        return
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                  transient=True) as bar:
+    with transient_bar(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn()) as bar:
         bar.add_task(what, total=None)
         yield
 
 
-def transient_bar(*columns: Any) -> Any:
+def transient_bar(*columns: ProgressColumn | str) -> Progress:
     """A progress bar that is gone when it ends, drawn only on a terminal: in a log or a pipe it would leave an
     empty line behind, which breaks a bad input's one-line message."""
     from rich.progress import Progress
