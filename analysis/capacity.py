@@ -39,6 +39,7 @@ from sim.costs import CostTable, build_cost_table
 from sim.engine import SimResult, simulate
 from sim.errors import ScenarioError
 from sim.ir import Schedule
+from sim.schedules import size_problem
 from sim.schedules.v_shape import ActionTimes, chronos_plan, deferred_w_limit, v_half_limit
 from sim.step import list_clock, resolve_schedule
 from solver.errors import SolverError, SolverTimeoutError
@@ -148,9 +149,18 @@ class Evaluation:
 
 
 JOINT_V = (2, 4)  # chunks per rank a joint chronos policy tries (even, as its zig-zag placement needs)
-# ZB-V's V-shaped order with a split backward, tried as one more chronos order (chronos_variants): the list
-# scheduler's nearest orders keep everything at ZB-V's speed only with more HBM (docs/memory.md)
+# Orders other schedules build, each tried as one more chronos order (chronos_variants), so that a chronos policy
+# is at least each of them under the same memory treatment: ZB-V's V-shaped order with a split backward (the
+# list scheduler's nearest orders keep everything at ZB-V's speed only with more HBM), and 1F1B's and interleaved
+# 1F1B's loop placement, which puts the embedding and the LM head on different ranks where a V puts both on
+# rank 0 (at 40 layers of the default 8B scenario: 55.0 GiB besides activations there, against 46.2; and at 144
+# layers of the 70B one the fastest plan the planner finds: docs/memory.md)
 ZBV_ORDER: dict[str, Any] = {"pipeline.schedule": "zbv", "pipeline.virtual_stages": 2}
+STANDARD_ORDERS: tuple[dict[str, Any], ...] = (
+    ZBV_ORDER,
+    {"pipeline.schedule": "1f1b", "pipeline.virtual_stages": 1},
+    {"pipeline.schedule": "interleaved-1f1b", "pipeline.virtual_stages": 2},
+)
 KEEP: tuple[tuple[str, Any], ...] = ()  # a joint run's memory treatment, as sorted override items
 
 
@@ -192,9 +202,10 @@ def chronos_variants(stages: int, microbatches: int, layers: int, timed_caps: di
     tries the same set of orders, but not the same plans in each: `chronos+recomp` applies the chronos
     recompute rule to every variant and never tries keep-everything, and the planner runs the MILP only on the
     orders `planned_variant` names (keeping everything elsewhere), so a policy with more memory treatments is
-    not guaranteed to be faster than one with fewer at every depth. ZB-V's own order (v = 2, `ZBV_ORDER`) is a
-    variant too, as V-Half's is, so every chronos policy is at least ZB-V under the same memory treatment."""
-    out = [dict(ZBV_ORDER)] if layers >= 2 * stages else []
+    not guaranteed to be faster than one with fewer at every depth. ZB-V's, 1F1B's and interleaved 1F1B's own
+    orders (`STANDARD_ORDERS`, where their schedules take the sizes) are variants too, as V-Half's is, so every
+    chronos policy is at least each of them under the same memory treatment."""
+    out = [dict(var) for var in STANDARD_ORDERS if standard_order_fits(stages, microbatches, layers, var)]
     for v in JOINT_V:
         if layers < stages * v:
             continue
@@ -211,6 +222,12 @@ def chronos_variants(stages: int, microbatches: int, layers: int, timed_caps: di
                     var = {"pipeline.virtual_stages": v, "pipeline.admission_cap": c, **timing}
                     out.append(var if stash == deferred_w_limit(stages, v) else {**var, "pipeline.stash_limit": stash})
     return out
+
+
+def standard_order_fits(stages: int, microbatches: int, layers: int, var: dict[str, Any]) -> bool:
+    """Whether a standard order's schedule takes (stages, microbatches, v) and every chunk gets a layer."""
+    v = var["pipeline.virtual_stages"]
+    return layers >= stages * v and size_problem(var["pipeline.schedule"], stages, microbatches, v) is None
 
 
 def timed_own_caps(sc_path: str | None, base_overrides: dict[str, Any], stages: int, microbatches: int,
@@ -234,8 +251,8 @@ def planned_variant(stages: int, microbatches: int, var: dict[str, Any], timed_c
     layers the best full-B plans measured were at the own caps, and past ~200 layers only the small caps fit,
     docs/memory.md). Each MILP costs 2-480 s at 48-320 layers;
     `_evaluate_joint` runs them in order of their bound and stops once none left can win."""
-    if var == ZBV_ORDER:
-        return True  # one order, planned with its W stash in HBM (planner_treatment)
+    if var in STANDARD_ORDERS:
+        return True  # one order each, planned (ZB-V's with its W stash in HBM: planner_treatment)
     v, cap = var["pipeline.virtual_stages"], var["pipeline.admission_cap"]
     own = timed_caps[v] if var.get("pipeline.order_timing") == "costs" else own_caps(stages, microbatches, v)
     low = v_half_limit(stages) // 2 * v <= cap <= own.split
@@ -246,9 +263,10 @@ def planned_variant(stages: int, microbatches: int, var: dict[str, Any], timed_c
 
 def variant_label(var: dict[str, Any]) -> str:
     """`v=2 cap=10`; with the W stash counted against the cap `v=2 cap=10 stash<=10`; without one, `... full-B`;
-    built on the step's costs (pipeline.order_timing = "costs"), `... timed`; ZB-V's order `v=2 zbv`."""
-    if var == ZBV_ORDER:
-        return "v=2 zbv"
+    built on the step's costs (pipeline.order_timing = "costs"), `... timed`; a standard order by its schedule's
+    name, `v=2 zbv`, `v=1 1f1b`, `v=2 interleaved-1f1b`."""
+    if var in STANDARD_ORDERS:
+        return f"v={var['pipeline.virtual_stages']} {var['pipeline.schedule']}"
     stash = var.get("pipeline.stash_limit")
     tail = "" if stash is None else " full-B" if stash == 0 else f" stash<={stash}"
     timed = " timed" if var.get("pipeline.order_timing") == "costs" else ""

@@ -110,8 +110,8 @@ def test_capacity_frontier_cli(tmp_path, capsys):
 def test_joint_chronos_is_at_least_every_v_schedule_and_memory_policy():
     """p = 4, m = 8: chronos chosen jointly (v, admission cap, memory treatment) against the other policies,
     each simulated (or planned) on its own. V-Half's order is one of chronos' variants (its cap as admission cap
-    and stash limit at v = 2), as is ZB-V's, and
-    the planner may choose any fixed treatment, so neither can beat the joint choice (beyond the MILP's 1%
+    and stash limit at v = 2), as are ZB-V's, 1F1B's and interleaved 1F1B's, and
+    the planner may choose any fixed treatment, so none can beat the joint choice (beyond the MILP's 1%
     gap); and the wider search is strictly faster than V-Half where both fit."""
     from analysis.capacity import POLICIES, PolicyDepths
 
@@ -119,17 +119,33 @@ def test_joint_chronos_is_at_least_every_v_schedule_and_memory_policy():
     bounds: dict = {}
     speed = {}
     for layers in (16, 32):
-        for name in ("1f1b", "1f1b+recompute", "v-half", "zbv", "chronos", "chronos+recomp", "chronos+recomp+offload"):
+        for name in ("1f1b", "1f1b+recompute", "interleaved-1f1b", "v-half", "zbv", "chronos", "chronos+recomp",
+                     "chronos+recomp+offload"):
             ev = PolicyDepths(SEVENTY, small, POLICIES[name], 4, bounds)(layers)
             speed[name, layers] = ev.result.tokens_per_s if ev.fits else 0.0
             if POLICIES[name].joint and ev.fits:
-                assert ev.variant.startswith(("v=2 ", "v=4 "))
+                assert ev.variant.startswith(("v=1 1f1b", "v=2 ", "v=4 "))
         best = speed["chronos+recomp+offload", layers]
         assert best > 0
-        assert speed["chronos", layers] >= max(speed["v-half", layers], speed["zbv", layers])  # their orders too
-        for other in ("1f1b", "1f1b+recompute", "v-half", "zbv", "chronos", "chronos+recomp"):
+        plain = ("1f1b", "interleaved-1f1b", "v-half", "zbv")
+        assert speed["chronos", layers] >= max(speed[n, layers] for n in plain)  # their orders too
+        for other in (*plain, "1f1b+recompute", "chronos", "chronos+recomp"):
             assert best >= speed[other, layers] * (1 - 1e-2), (other, layers)
     assert speed["chronos", 16] > speed["v-half", 16] > 0
+
+
+def test_chronos_takes_the_loop_placed_orders_where_a_v_holds_too_much_on_rank_0():
+    """Default 8B scenario (p = 4, m = 8): a V puts the embedding and the LM head on rank 0, so at 40 layers no
+    V-shaped order keeps everything as fast as interleaved 1F1B, and at 44 none fits where 1F1B does; the joint
+    search tries their orders too, so `chronos` is at least both (before: 14,122 against 23,308 tokens/s at 40
+    layers, and no fit at 44)."""
+    from analysis.capacity import POLICIES, evaluate
+
+    for layers, other in ((40, "interleaved-1f1b"), (44, "1f1b")):
+        ref = evaluate(None, {}, POLICIES[other], layers)
+        ev = evaluate(None, {}, POLICIES["chronos"], layers)
+        assert ref.fits and ev.fits and ev.result.tokens_per_s >= ref.result.tokens_per_s
+        assert ev.variant == f"v={POLICIES[other].virtual_stages} {other}"
 
 
 def test_v_half_s_order_is_one_of_the_chronos_variants():
@@ -150,7 +166,7 @@ def test_the_joint_search_builds_every_order_on_both_clocks_and_plans_the_caps_u
     """With chronos' own cap on the step's costs given per v, each order is tried on unit costs and on the
     step's costs; the MILP runs on the caps from V-Half's up to the order's own clock's chronos cap, with or
     without a W stash, and on a full B's own cap."""
-    from analysis.capacity import ZBV_ORDER, chronos_variants, planned_variant, timed_own_caps, variant_label
+    from analysis.capacity import STANDARD_ORDERS, chronos_variants, planned_variant, timed_own_caps, variant_label
     from sim.schedules.v_shape import chronos_plan
 
     p, m = 4, 8
@@ -165,8 +181,9 @@ def test_the_joint_search_builds_every_order_on_both_clocks_and_plans_the_caps_u
             "pipeline.order_timing": "costs"} in on_costs
     assert all(variant_label(v).endswith("timed") for v in on_costs)
     assert len({variant_label(v) for v in variants}) == len(variants)  # one label per order: the cache's key
-    assert ZBV_ORDER in variants and planned_variant(p, m, ZBV_ORDER, timed)  # ZB-V's order, planned
-    for var in (v for v in variants if v != ZBV_ORDER):
+    for order in STANDARD_ORDERS:  # ZB-V's, 1F1B's and interleaved 1F1B's own orders, each planned
+        assert order in variants and planned_variant(p, m, order, timed)
+    for var in (v for v in variants if v not in STANDARD_ORDERS):
         v, cap = var["pipeline.virtual_stages"], var["pipeline.admission_cap"]
         full_b = var.get("pipeline.stash_limit") == 0
         caps = timed[v] if var in on_costs else None

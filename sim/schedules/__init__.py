@@ -110,6 +110,12 @@ def virtual_stages_for(name: str, ranks: int, microbatches: int, current: int | 
     return default_virtual_stages(name)
 
 
+def size_problem(name: str, ranks: int, microbatches: int, virtual_stages: int) -> str | None:
+    """Why schedule `name` cannot take (ranks, microbatches, virtual_stages), or None when it can."""
+    _import_builtin()
+    return SCHEDULES[name].check(ranks, microbatches, virtual_stages)
+
+
 def schedule_names() -> list[str]:
     _import_builtin()
     return list(SCHEDULES)
