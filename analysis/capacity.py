@@ -6,8 +6,9 @@ every rank. Depth is searched over multiples of stages * virtual_stages: doublin
 bisection (fitting is monotone in depth: every per-layer cost grows with it).
 
 The chronos policies are chosen jointly per depth (`Policy.joint`): the schedule's chunks per rank v, its
-admission cap, its W stash limit and the clock its order is built on (`chronos_variants`) with the policy's
-memory treatment, the fastest variant that fits winning.
+admission cap, its W stash limit and the clock its order is built on, or another policy's own order (1F1B's,
+interleaved 1F1B's, ZB-V's: `chronos_variants`), with the policy's memory treatment, the fastest variant that
+fits winning.
 The planner's MILP runs on a variant only while it could still win: each order's bound is the smaller of its
 keep-everything speed (recomputation and offload only add work and copies) and what the MILP's LP relaxation
 allows (`planner_bound`); orders are planned in order of that bound, and the search stops once the best found
