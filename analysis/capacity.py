@@ -156,9 +156,8 @@ JOINT_V = (2, 4)  # chunks per rank a joint chronos policy tries (even, as its z
 # 1F1B's loop placement, which puts the embedding and the LM head on different ranks where a V puts both on
 # rank 0 (at 40 layers of the default 8B scenario: 55.0 GiB besides activations there, against 46.2; and at 144
 # layers of the 70B one the fastest plan the planner finds: docs/memory.md)
-ZBV_ORDER: dict[str, Any] = {"pipeline.schedule": "zbv", "pipeline.virtual_stages": 2}
 STANDARD_ORDERS: tuple[dict[str, Any], ...] = (
-    ZBV_ORDER,
+    {"pipeline.schedule": "zbv", "pipeline.virtual_stages": 2},
     {"pipeline.schedule": "1f1b", "pipeline.virtual_stages": 1},
     {"pipeline.schedule": "interleaved-1f1b", "pipeline.virtual_stages": 2},
 )
