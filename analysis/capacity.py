@@ -155,11 +155,14 @@ JOINT_V = (2, 4)  # chunks per rank a joint chronos policy tries (even, as its z
 # list scheduler's nearest orders keep everything at ZB-V's speed only with more HBM), and 1F1B's and interleaved
 # 1F1B's loop placement, which puts the embedding and the LM head on different ranks where a V puts both on
 # rank 0 (at 40 layers of the default 8B scenario: 55.0 GiB besides activations there, against 46.2; and at 144
-# layers of the 70B one the fastest plan the planner finds: docs/memory.md)
+# layers of the 70B one the fastest plans the planner finds: docs/memory.md). Interleaved at v = 3 as well: a
+# third chunk per rank cuts the bubble again (1.035 against v = 2's 0.985 at 144 layers there), and its MILP
+# still solves (125 s there), where from v = 4 on it runs past the 600 s safety net with no plan
+INTERLEAVED_V = (2, 3)
 STANDARD_ORDERS: tuple[dict[str, Any], ...] = (
     {"pipeline.schedule": "zbv", "pipeline.virtual_stages": 2},
     {"pipeline.schedule": "1f1b", "pipeline.virtual_stages": 1},
-    {"pipeline.schedule": "interleaved-1f1b", "pipeline.virtual_stages": 2},
+    *({"pipeline.schedule": "interleaved-1f1b", "pipeline.virtual_stages": v} for v in INTERLEAVED_V),
 )
 KEEP: tuple[tuple[str, Any], ...] = ()  # a joint run's memory treatment, as sorted override items
 
@@ -264,7 +267,7 @@ def planned_variant(stages: int, microbatches: int, var: dict[str, Any], timed_c
 def variant_label(var: dict[str, Any]) -> str:
     """`v=2 cap=10`; with the W stash counted against the cap `v=2 cap=10 stash<=10`; without one, `... full-B`;
     built on the step's costs (pipeline.order_timing = "costs"), `... timed`; a standard order by its schedule's
-    name, `v=2 zbv`, `v=1 1f1b`, `v=2 interleaved-1f1b`."""
+    name, `v=2 zbv`, `v=1 1f1b`, `v=2 interleaved-1f1b`, `v=3 interleaved-1f1b`."""
     if var in STANDARD_ORDERS:
         return f"v={var['pipeline.virtual_stages']} {var['pipeline.schedule']}"
     stash = var.get("pipeline.stash_limit")
