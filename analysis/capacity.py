@@ -157,7 +157,8 @@ JOINT_V = (2, 4)  # chunks per rank a joint chronos policy tries (even, as its z
 # rank 0 (at 40 layers of the default 8B scenario: 55.0 GiB besides activations there, against 46.2; and at 144
 # layers of the 70B one the fastest plans the planner finds: docs/memory.md). Interleaved at v = 3 as well: a
 # third chunk per rank cuts the bubble again (1.035 against v = 2's 0.985 at 144 layers there), and its MILP
-# still solves (125 s there), where from v = 4 on it runs past the 600 s safety net with no plan
+# solves at most depths measured there (125 s at 144 layers; at 96 and 128 it runs past the 600 s safety net and
+# the search keeps v = 2's plan), where from v = 4 on it found no plan in 600 s at 144 layers
 INTERLEAVED_V = (2, 3)
 STANDARD_ORDERS: tuple[dict[str, Any], ...] = (
     {"pipeline.schedule": "zbv", "pipeline.virtual_stages": 2},
