@@ -123,6 +123,12 @@ MAX_NODES = 1000
 MILP_OPTIONS: dict[str, float | int | str | bool] = {
     "mip_rel_gap": 1e-2, "mip_max_nodes": MAX_NODES, "random_seed": 0, "time_limit": 600.0,  # threads: highs.py
 }
+# The model counts memory in GiB (P and every HBM and host row): in bytes its rows spanned 6e-3 to 4e12, HiGHS
+# warned that the model was badly scaled for its 1e-6 feasibility tolerance, and its root node ran for minutes
+# (docs/memory.md, the MILP section). FEASIBILITY is that tolerance, in GiB: P's bound keeps twice it clear of
+# the HBM limit (P's bound and its row may each be off by it), so a plan within tolerance still fits.
+GIB = float(2**30)
+FEASIBILITY = 1e-6
 
 
 class MemoryInfeasibleError(InfeasibleError):
@@ -510,7 +516,7 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
 
     m = schedule.num_microbatches
     if limit is not None:
-        lp.set_upper_bound(col.peak, max(limit, 0.0))
+        lp.set_upper_bound(col.peak, max(limit / GIB - 2 * FEASIBILITY, 0.0))
         obj_cols = np.concatenate([[col.makespan], col.recompute, col.op, col.dram, col.nvme, col.weights, col.stash])
         obj = np.concatenate([[1.0], EPS * m * ch.fwd, EPS * m * ch.op_fwd, EPS * m * ch.copy_dram,
                               EPS * m * ch.copy_nvme, EPS * m * ch.weight_copy, EPS * m * ch.stash_copy])
@@ -534,8 +540,9 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     choice = MemoryChoice(np.rint(x[col.recompute]), np.rint(x[col.dram]), np.rint(x[col.nvme]),
                           np.rint(x[col.states_on_host]).astype(bool), np.rint(x[col.weights]).astype(bool),
                           _stash_layers(x[col.stash], ch.layers), np.rint(x[col.op]))
-    return MilpSolution(choice, float(x[col.makespan]), float(x[col.peak]), sol.wall_s, sol.proven_optimal,
-                        sol.mip_gap, sol.dual_bound)
+    bound = sol.dual_bound if limit is not None else sol.dual_bound * GIB  # minimising P, the bound is GiB
+    return MilpSolution(choice, float(x[col.makespan]), float(x[col.peak]) * GIB, sol.wall_s, sol.proven_optimal,
+                        sol.mip_gap, bound)
 
 
 STASH_GRAIN = 1e-4  # layers: a continuous stash share is rounded up to this, off the LP's feasibility tolerance
@@ -736,7 +743,7 @@ def _hbm_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, base: Me
         if pos.backward_chunk[p] >= 0:
             const += float(base.transient_bytes[pos.backward_chunk[p]])
         cols = [col.peak, col.states_on_host[r]]
-        vals = [-1.0, -hs_r[r]]
+        vals = [-GIB, -hs_r[r]]  # built in bytes (P counts GiB), added in GiB
         for c in np.flatnonzero(N):
             cols += [col.recompute[c], col.op[c], col.dram[c], col.nvme[c]]
             away = -(N[c] - R[c]) * ch.act[c]
@@ -751,13 +758,13 @@ def _hbm_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, base: Me
         for c in np.flatnonzero(pos.stashed[p] - pos.stash_resident[p]):  # stashes whose offloaded part is away
             cols.append(col.stash[c])
             vals.append(-(pos.stashed[p][c] - pos.stash_resident[p][c]) * ch.stash[c])
-        rows.add(-np.inf, -const, cols, vals)
+        rows.add(-np.inf, -const / GIB, cols, np.asarray(vals) / GIB)
     if len(base.step_transient_bytes):
         step_r = per_rank_sum(base.step_transient_bytes, s2r, n_r)
         left_r = per_rank_sum((f_left + b_left) * schedule.num_microbatches, s2r, n_r)  # every F and B has run
         for r in range(n_r):
-            rows.add(-np.inf, -(static_r[r] + step_r[r] + left_r[r]), [col.peak, col.states_on_host[r]],
-                     [-1.0, -hs_r[r]])
+            rows.add(-np.inf, -(static_r[r] + step_r[r] + left_r[r]) / GIB, [col.peak, col.states_on_host[r]],
+                     [-1.0, -hs_r[r] / GIB])
 
 
 def _host_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, costs: CostTable, schedule: Schedule,
@@ -768,10 +775,11 @@ def _host_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, costs: 
     for r in range(n_r):
         chunks_r = np.flatnonzero(s2r == r)
         per = pos.max_inflight[chunks_r] * ch.act[chunks_r]
-        rows.add(-np.inf, costs.detail.dram_bytes, [*col.dram[chunks_r], col.states_on_host[r], *col.weights[chunks_r],
-                                                    *col.stash[chunks_r]],
-                 [*per, hs_r[r], *ch.weight_bytes[chunks_r], *(pos.max_stashed[chunks_r] * ch.stash[chunks_r])])
-        rows.add(-np.inf, costs.detail.nvme_bytes, [*col.nvme[chunks_r]], [*per])
+        stash_r = pos.max_stashed[chunks_r] * ch.stash[chunks_r]
+        dram = np.concatenate([per, [hs_r[r]], ch.weight_bytes[chunks_r], stash_r])
+        rows.add(-np.inf, costs.detail.dram_bytes / GIB,
+                 [*col.dram[chunks_r], col.states_on_host[r], *col.weights[chunks_r], *col.stash[chunks_r]], dram / GIB)
+        rows.add(-np.inf, costs.detail.nvme_bytes / GIB, [*col.nvme[chunks_r]], per / GIB)
 
 
 def _host_state_bytes(sc: Scenario, costs: CostTable) -> np.ndarray:
