@@ -371,8 +371,8 @@ def makespan_lower_bound(sc: Scenario, costs: CostTable, schedule: Schedule,
     bounds: later rounds only lengthen copies and lower the HBM limit (their T is no smaller), the plan's T is
     at least its round's relaxation, and a chunk-copy plan is accepted only within TOLERANCE of its T. Plans
     with layer-wise copies may run faster than their T (plan_memory), so for them the bound is 0, as it is when
-    HiGHS ends the relaxation without an optimum (status Unknown: its byte-scaled rows can leave a residual
-    of ~1e-5 B after postsolve) or at its time limit."""
+    HiGHS ends the relaxation without an optimum (status Unknown: rows at their tolerance can leave a residual
+    after postsolve, as byte-scaled rows did at ~1e-5 B) or at its time limit."""
     if sc.memory.copy_granularity == "layer":
         return 0.0
     base = with_states(sc, costs, keep_everything(costs))
