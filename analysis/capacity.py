@@ -268,7 +268,7 @@ def planned_variant(stages: int, microbatches: int, var: dict[str, Any], timed_c
 def variant_label(var: dict[str, Any]) -> str:
     """`v=2 cap=10`; with the W stash counted against the cap `v=2 cap=10 stash<=10`; without one, `... full-B`;
     built on the step's costs (pipeline.order_timing = "costs"), `... timed`; a standard order by its schedule's
-    name, `v=2 zbv`, `v=1 1f1b`, `v=2 interleaved-1f1b`, `v=3 interleaved-1f1b`."""
+    name, `v=2 zbv`, `v=1 1f1b`, `v=2 interleaved-1f1b` (and v = 3, 4)."""
     if var in STANDARD_ORDERS:
         return f"v={var['pipeline.virtual_stages']} {var['pipeline.schedule']}"
     stash = var.get("pipeline.stash_limit")
