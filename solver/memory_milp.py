@@ -119,9 +119,13 @@ ROUNDS = 4
 # stops at the 1% gap or after MAX_NODES branch-and-bound nodes, with a fixed seed and one thread
 # (solver.highs); past the node limit the incumbent is kept, flagged as not proven (every plan is re-simulated
 # anyway). The time limit is only a safety net; reaching it raises SolverTimeoutError, never a guess.
+# Its LP relaxation is tight but good incumbents are hard to find: at 208 layers (v = 4, cap 40, full B) the root
+# bound is 73.0 s, HiGHS' default heuristic effort (0.05) found only a 144.9 s incumbent in 1000 nodes, and at
+# 0.3 it finds a 73.9 s plan, within the gap (docs/memory.md, the MILP section).
 MAX_NODES = 1000
 MILP_OPTIONS: dict[str, float | int | str | bool] = {
     "mip_rel_gap": 1e-2, "mip_max_nodes": MAX_NODES, "random_seed": 0, "time_limit": 600.0,  # threads: highs.py
+    "mip_heuristic_effort": 0.3,
 }
 # The model counts memory in GiB (P and every HBM and host row): in bytes its rows spanned 6e-3 to 4e12, HiGHS
 # warned that the model was badly scaled for its 1e-6 feasibility tolerance, and its root node ran for minutes
