@@ -157,8 +157,9 @@ JOINT_V = (2, 4)  # chunks per rank a joint chronos policy tries (even, as its z
 # rank 0 (at 40 layers of the default 8B scenario: 55.0 GiB besides activations there, against 46.2; and at 144
 # layers of the 70B one the fastest plans the planner finds: docs/memory.md). Interleaved at v = 3 and 4 as
 # well: each chunk more per rank cuts the bubble again ((p - 1) / (v m + p - 1)), and their MILPs solve from 80 to
-# 192 layers there (at 144 v = 4 in 288 s, 1.067; v = 3 had 1.035) since the MILP counts memory
-# in GiB (solver.memory_milp.GIB); more chunks are not searched, each order costing minutes of MILP per depth
+# 192 layers there (at 144 v = 4 1.072, gap 1.3 %; v = 3 1.046) since the MILP counts memory in GiB
+# (solver.memory_milp.GIB); more chunks are not searched: v = 6's MILP at 144 layers runs into the 600 s safety
+# net at the shipped 32 x 4 (docs/memory.md), and every depth would pay each order's minutes of MILP
 INTERLEAVED_V = (2, 3, 4)
 STANDARD_ORDERS: tuple[dict[str, Any], ...] = (
     {"pipeline.schedule": "zbv", "pipeline.virtual_stages": 2},
