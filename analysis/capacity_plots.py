@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-from matplotlib.ticker import NullFormatter, ScalarFormatter
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 from rich.table import Table
 
 from analysis.console import console
@@ -62,6 +62,7 @@ def frontier_plot(df: pd.DataFrame, answers: dict, min_throughput: float, path: 
     ax.axhline(min_throughput, color="black", linestyle="--", linewidth=1,
                label=f"{min_throughput:.0%} of plain 1F1B (★: deepest at or above)")
     ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=2))  # 16, 32, 64, ...: a decade's ticks would label only 100
     ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("layers (log scale)")
