@@ -2,9 +2,10 @@
 
     python -m tests.fuzz_campaign --cases 1200 --seed 20261130 --out out/fuzz-campaign
 
-Cases are `simulate`/`plan` with scenario mutations, flags and schedule CSVs (most), `sweep` grids and
-`run` with bad flags. Counts (results, refusals, tracebacks, lines too long, partial or destructive
-writes, refusals that took over 10 s of CPU, results over 10 s) go to stdout and OUT/campaign.json;
+Cases are `simulate`/`plan` with scenario mutations, flags and schedule CSVs (most), `sweep` grids, `run`
+with bad flags and `capacity` with scenario mutations and its own flags. Counts (results, refusals,
+tracebacks, lines too long, partial or destructive writes, refusals that took over 10 s of CPU, results over
+10 s) go to stdout and OUT/campaign.json;
 every failing case goes to OUT/failures.jsonl. Times are CPU seconds of this process (time.process_time):
 the machine is shared, so wall time measures the neighbours more than pipeplan.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from tests.fuzzing import Case, command_line, run_case, run_line, sweep_line
+from tests.fuzzing import Case, capacity_line, command_line, run_case, run_line, sweep_line
 
 SLOW_S = 10.0
 
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     @seed(args.seed)
     @settings(max_examples=args.cases, deadline=None, database=None, phases=("generate",),
               suppress_health_check=list(HealthCheck))
-    @given(st.integers(0, 9).flatmap(lambda i: sweep_line() if i == 0 else run_line() if i == 1 else command_line()))
+    @given(st.integers(0, 19).flatmap(lambda i: sweep_line() if i in (0, 1) else run_line() if i in (2, 3) else
+                                      capacity_line() if i == 4 else command_line()))
     def one(case: Case) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             outcome = run_case(case, Path(tmp))

@@ -146,6 +146,34 @@ def run_line(draw: st.DrawFn) -> Case:
     return Case(command="run", base="tiny", flags=bad, out=draw(st.sampled_from(OUT_KINDS)))
 
 
+CAPACITY_KEYS = [
+    "model.layers", "model.hidden", "model.heads", "model.vocab", "model.seq_len", "training.micro_batch_size",
+    "pipeline.stages", "pipeline.microbatches", "device.hbm_gib", "memory.hbm_margin_gib", "memory.recompute",
+    "parallel.tp", "pipeline.stagez",
+]  # fmt: skip
+
+
+@st.composite
+def capacity_line(draw: st.DrawFn) -> Case:
+    """`pipeplan capacity` on the small model with its own flags: fast policies (no MILP), typos, bad numbers,
+    the frontier now and then; the explicit-costs base, which it refuses, now and then."""
+    base = draw(st.sampled_from(["tiny", "tiny", "tiny", "unit"]))
+    sets = draw(st.lists(st.tuples(st.sampled_from(CAPACITY_KEYS), toml_value()), max_size=2))
+    policies = draw(st.lists(st.sampled_from(["1f1b", "1f1b+recompute", "zbv", "v-half", "chronos"] * 4
+                                             + ["chronos+", "", " zbv", "1F1B"]), min_size=1, max_size=3))
+    flags = ["--policies", ",".join(policies), "--jobs", draw(st.sampled_from(["1"] * 8 + ["0", "2000"]))]
+    if draw(st.booleans()):
+        flags += ["--frontier", "--points", draw(st.sampled_from(["2", "3", "4"] * 3 + ["1", "257", "x"]))]
+        if draw(st.integers(0, 3)) == 0:
+            flags += ["--min-throughput", draw(st.sampled_from(["0.95", "0.5", "0", "nan", "11", "-1"]))]
+    if draw(st.integers(0, 3)) == 0:
+        flags += ["--micro-batch-sizes", draw(st.sampled_from(["1", "2,1", "3", "0", "1,1", "a", "", "99999"]))]
+    if draw(st.integers(0, 4)) == 0:
+        flags += ["--target-ratio", draw(st.sampled_from(["2.4", "1", "0", "nan", "1e9", "-2"]))]
+    return Case(command="capacity", base=base, sets=[f"{k}={v}" for k, v in sets], flags=flags,
+                out=draw(st.sampled_from(OUT_KINDS)), force=draw(st.integers(0, 5)) == 0)
+
+
 @dataclass
 class Case:
     command: str

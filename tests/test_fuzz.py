@@ -1,5 +1,5 @@
-"""Property: whatever the scenario mutation, flags or schedule CSV, `pipeplan simulate`/`plan` either
-produce a complete result or refuse with exit 2 and one line, and a refusal writes nothing.
+"""Property: whatever the scenario mutation, flags or schedule CSV, `pipeplan simulate`/`plan` and `capacity`
+either produce a complete result or refuse with exit 2 and one line, and a refusal writes nothing.
 
 The generators and the oracle live in tests/fuzzing.py; tests/fuzz_campaign.py runs the same oracle over
 a thousand or more cases with another seed (docs/reliability.md). Here a few dozen, derandomized, so the
@@ -13,13 +13,22 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 
-from tests.fuzzing import Case, command_line, run_case
+from tests.fuzzing import Case, capacity_line, command_line, run_case
 
 
 @settings(max_examples=30, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(command_line())
 def test_every_outcome_is_a_result_or_one_line_and_nothing_written(case: Case):
+    with tempfile.TemporaryDirectory() as tmp:
+        outcome = run_case(case, Path(tmp))
+    assert outcome.ok, (outcome.problems, case, outcome.stderr[-300:])
+
+
+@settings(max_examples=16, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(capacity_line())
+def test_capacity_outcome_is_a_result_or_one_line_and_nothing_written(case: Case):
     with tempfile.TemporaryDirectory() as tmp:
         outcome = run_case(case, Path(tmp))
     assert outcome.ok, (outcome.problems, case, outcome.stderr[-300:])
