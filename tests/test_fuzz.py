@@ -16,19 +16,24 @@ from hypothesis import HealthCheck, given, settings
 from tests.fuzzing import Case, capacity_line, command_line, run_case
 
 
-@settings(max_examples=30, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+def derandomized(examples: int) -> settings:
+    return settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def judge(case: Case) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        outcome = run_case(case, Path(tmp))
+    assert outcome.ok, (outcome.problems, case, outcome.stderr[-300:])
+
+
+@derandomized(30)
 @given(command_line())
 def test_every_outcome_is_a_result_or_one_line_and_nothing_written(case: Case):
-    with tempfile.TemporaryDirectory() as tmp:
-        outcome = run_case(case, Path(tmp))
-    assert outcome.ok, (outcome.problems, case, outcome.stderr[-300:])
+    judge(case)
 
 
-@settings(max_examples=16, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@derandomized(16)
 @given(capacity_line())
 def test_capacity_outcome_is_a_result_or_one_line_and_nothing_written(case: Case):
-    with tempfile.TemporaryDirectory() as tmp:
-        outcome = run_case(case, Path(tmp))
-    assert outcome.ok, (outcome.problems, case, outcome.stderr[-300:])
+    judge(case)
