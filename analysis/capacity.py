@@ -749,6 +749,24 @@ def frontier_row(policy: str, ev: Evaluation, ref_layer_tokens_per_s: float) -> 
             "micro_batch_size": ev.micro_batch_size, "variant": ev.variant, "note": ev.note}
 
 
+ANSWER_COLUMNS = ["policy", "min_throughput", "layers", "layers_vs_1f1b", "tokens_per_s", "layer_throughput_vs_1f1b",
+                  "micro_batch_size", "variant", "note"]
+
+
+def answer_rows(answers: dict[str, dict[str, Any] | None], min_throughput: float, ref_layers: int) -> list[dict]:
+    """`frontier_answers.csv`: per policy, the deepest model at >= `min_throughput` (`deepest_at`; a depth the
+    grid may not hold), with its depth against plain 1F1B's deepest fit; a policy with none keeps its row,
+    depth empty, so the file answers for every policy asked."""
+    out = []
+    for policy, best in answers.items():
+        row = {"policy": policy, "min_throughput": min_throughput}
+        if best is not None:
+            row |= {k: best[k] for k in ANSWER_COLUMNS if k in best}
+            row["layers_vs_1f1b"] = best["layers"] / ref_layers
+        out.append(row)
+    return out
+
+
 def deepest_at(frontier: list[dict], fits: PolicyDepths, min_throughput: float,
                ref_layer_tokens_per_s: float) -> dict[str, Any] | None:
     """The deepest model of one policy at >= `min_throughput` x 1F1B's per-layer throughput: the deepest

@@ -5,7 +5,8 @@
 - plan: the speedup, and whether the planned step fits;
 - plan --sweep-cap: the fastest planned step over schedules and caps, the largest speedup, the speedup table;
 - simulate: step time, throughput, bubble, and whether it fits;
-- capacity: the policy that fits the deepest model, and at what speed;
+- capacity: the policy that fits the deepest model, and at what speed; with --frontier first the deepest
+  model at the asked share of 1F1B's per-layer throughput, per policy;
 - run: measured against predicted.
 
 Everything shown is read from the folder's files; nothing is re-simulated. Cells with no value show "—".
@@ -305,7 +306,7 @@ def plan_sweep_answer(folder: Path) -> list[Block]:
 
 def capacity_answer(folder: Path) -> list[Block]:
     df = pd.read_csv(folder / "capacity.csv")
-    out: list[Block] = []
+    out: list[Block] = frontier_answer(folder) if (folder / "frontier_answers.csv").exists() else []
     if len(df) and df["max_layers"].max() > 0:
         deep = df.sort_values("max_layers", ascending=False).iloc[0]
         lead = f"Deepest model that fits: {int(deep['max_layers'])} layers under {deep['policy']}"
@@ -314,9 +315,9 @@ def capacity_answer(folder: Path) -> list[Block]:
         if "layer_tokens_per_s" in df and df["layer_tokens_per_s"].notna().any():
             fast = df.sort_values("layer_tokens_per_s", ascending=False).iloc[0]
             lead += f"; most throughput per unit of depth: {fast['policy']}"
-        out.append(Block("lead", lead + "."))
+        out.append(Block("p" if out else "lead", lead + "."))
     else:
-        out.append(Block("lead", "No policy fits even the shallowest model of this width."))
+        out.append(Block("p" if out else "lead", "No policy fits even the shallowest model of this width."))
     table = pd.DataFrame({"policy": df["policy"], "max layers": df["max_layers"]})
     for src, name, fmt in [("params", "parameters (B)", lambda v: _num(v / 1e9, ".1f")),
                            ("tokens_per_s", "tokens/s there", _num),
@@ -328,6 +329,30 @@ def capacity_answer(folder: Path) -> list[Block]:
     out += [Block("h2", "Per memory policy"), Block("table", table)]
     out += [Block("image", folder / "capacity.png")] if (folder / "capacity.png").exists() else []
     return out
+
+
+def frontier_answer(folder: Path) -> list[Block]:
+    """`capacity --frontier`: the deepest model at >= the asked share of plain 1F1B's per-layer throughput,
+    per policy (frontier_answers.csv), then the frontier figure; the blocks lead the capacity page."""
+    ans = pd.read_csv(folder / "frontier_answers.csv")
+    share = f"{ans['min_throughput'].iloc[0]:.0%}" if len(ans) else "the asked share"
+    found = ans[ans["layers"].notna()]
+    if len(found):
+        best = found.sort_values(["layers", "layer_throughput_vs_1f1b"], ascending=False).iloc[0]
+        lead = (f"Deepest model at >= {share} of plain 1F1B's per-layer throughput: {int(best['layers'])} layers "
+                f"({best['layers_vs_1f1b']:.2f}x 1F1B's deepest fit) under {best['policy']}, at "
+                f"{best['layer_throughput_vs_1f1b']:.2f}x 1F1B's per-layer throughput.")
+    else:
+        lead = f"No policy keeps {share} of plain 1F1B's per-layer throughput at any depth."
+    table = pd.DataFrame({"policy": ans["policy"],
+                          "layers": [_num(v, ".0f") for v in ans["layers"]],
+                          "x 1F1B's depth": [_num(v, ".2f") for v in ans["layers_vs_1f1b"]],
+                          "throughput x layers vs 1F1B": [_num(v, ".3f") for v in ans["layer_throughput_vs_1f1b"]],
+                          "tokens/s": [_num(v) for v in ans["tokens_per_s"]],
+                          "chosen": [v if isinstance(v, str) and v else "—" for v in ans["variant"]]})
+    out = [Block("lead", lead), Block("h2", f"Deepest model at >= {share} of plain 1F1B's per-layer throughput"),
+           Block("table", table)]
+    return out + ([Block("image", folder / "frontier.png")] if (folder / "frontier.png").exists() else [])
 
 
 def run_answer(folder: Path) -> list[Block]:

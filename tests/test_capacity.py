@@ -104,6 +104,22 @@ def test_capacity_frontier_cli(tmp_path, capsys):
     one = fr[fr["policy"] == "1f1b"]
     assert list(one["layers"]) == [cap.loc["1f1b", "max_layers"]] and one["layer_throughput_vs_1f1b"].iloc[0] == 1.0
     assert "deepest model at >= 95%" in capsys.readouterr().out
+    # the console's answer is kept: per policy the deepest depth at >= 95 %, which the grid need not hold
+    ans = pd.read_csv(out / "frontier_answers.csv").set_index("policy")
+    assert list(ans.index) == ["1f1b", "v-half"] and set(ans["min_throughput"]) == {0.95}
+    assert ans.loc["1f1b", "layers"] == cap.loc["1f1b", "max_layers"]
+    assert ans.loc["1f1b", "layer_throughput_vs_1f1b"] == 1.0
+    best = ans.loc["v-half"]
+    assert best["layer_throughput_vs_1f1b"] >= 0.95 and best["layers"] <= cap.loc["v-half", "max_layers"]
+    assert best["layers_vs_1f1b"] == best["layers"] / cap.loc["1f1b", "max_layers"]
+    assert abs(best["layer_throughput_vs_1f1b"] - best["tokens_per_s"] * best["layers"] / ref) < 1e-9
+    assert not any(r.layers > best["layers"] and r.layer_throughput_vs_1f1b >= 0.95
+                   for r in fr[(fr["policy"] == "v-half") & fr["fits"]].itertuples())
+    # and the report leads with it
+    assert main(["report", str(out)]) == 0
+    lead = (out / "report.md").read_text().split("\n")[2]
+    assert lead.startswith(f"**Deepest model at >= 95% of plain 1F1B's per-layer throughput: {int(best['layers'])} "
+                           "layers"), lead
     assert main(["capacity", SEVENTY, "--frontier", "--points", "1", "--out", str(tmp_path / "b")]) == 2
 
 

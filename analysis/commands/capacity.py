@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also test each policy at this multiple of plain 1F1B's max depth (default: 2.4)")
     parser.add_argument("--frontier", action="store_true",
                         help="also trace depth against speed per policy, from 1F1B's deepest fit to the policy's: "
-                             "frontier.csv, frontier.png, and the deepest model at >= --min-throughput")
+                             "frontier.csv, frontier.png, and the deepest model at >= --min-throughput "
+                             "(on the console and in frontier_answers.csv)")
     parser.add_argument("--min-throughput", type=float, default=0.95,
                         help="with --frontier: per-layer throughput relative to plain 1F1B at its deepest fit "
                              "that the answer must keep (default: 0.95)")
@@ -58,8 +59,10 @@ def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
     from analysis.capacity import (
+        ANSWER_COLUMNS,
         FRONTIER_COLUMNS,
         PolicyDepths,
+        answer_rows,
         capacity_table,
         checked_scenario,
         deepest_at,
@@ -127,8 +130,11 @@ def run(args: argparse.Namespace) -> int:
         if frontier is not None:
             fdf = pd.DataFrame(frontier, columns=FRONTIER_COLUMNS)
             atomic_write_text(stage / "frontier.csv", fdf.to_csv(index=False))
+            ref_layers = int(df.set_index("policy").loc["1f1b", "max_layers"])
+            adf = pd.DataFrame(answer_rows(answers, args.min_throughput, ref_layers), columns=ANSWER_COLUMNS)
+            atomic_write_text(stage / "frontier_answers.csv", adf.to_csv(index=False))
             frontier_plot(fdf, answers, args.min_throughput, stage / "frontier.png")
-            written += ["frontier.csv", "frontier.png"]
+            written += ["frontier.csv", "frontier_answers.csv", "frontier.png"]
     print_capacity(df)
     if frontier is not None:
         print_frontier(df, answers, args.min_throughput)
