@@ -120,6 +120,13 @@ def test_capacity_frontier_cli(tmp_path, capsys):
     lead = (out / "report.md").read_text().split("\n")[2]
     assert lead.startswith(f"**Deepest model at >= 95% of plain 1F1B's per-layer throughput: {int(best['layers'])} "
                            "layers"), lead
+    from analysis.capacity import ANSWER_COLUMNS, answer_rows
+
+    none = pd.DataFrame(answer_rows({"1f1b": None, "v-half": None}, 5.0, 32), columns=ANSWER_COLUMNS)
+    assert none["layers"].isna().all()
+    none.to_csv(out / "frontier_answers.csv", index=False)
+    assert main(["report", str(out)]) == 0
+    assert "No policy keeps 500% of plain 1F1B's per-layer throughput" in (out / "report.md").read_text()
     assert main(["capacity", SEVENTY, "--frontier", "--points", "1", "--out", str(tmp_path / "b")]) == 2
 
 
