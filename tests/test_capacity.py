@@ -105,6 +105,8 @@ def test_capacity_frontier_cli(tmp_path, capsys):
     assert list(one["layers"]) == [cap.loc["1f1b", "max_layers"]] and one["layer_throughput_vs_1f1b"].iloc[0] == 1.0
     assert "deepest model at >= 95%" in capsys.readouterr().out
     # the console's answer is kept: per policy the deepest depth at >= 95 %, which the grid need not hold
+    depths = [line.split(",")[2] for line in (out / "frontier_answers.csv").read_text().splitlines()[1:]]
+    assert all(d.isdigit() for d in depths), depths  # whole numbers, not 48.0
     ans = pd.read_csv(out / "frontier_answers.csv").set_index("policy")
     assert list(ans.index) == ["1f1b", "v-half"] and set(ans["min_throughput"]) == {0.95}
     assert ans.loc["1f1b", "layers"] == cap.loc["1f1b", "max_layers"]

@@ -132,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
             atomic_write_text(stage / "frontier.csv", fdf.to_csv(index=False))
             ref_layers = int(df.set_index("policy").loc["1f1b", "max_layers"])
             adf = pd.DataFrame(answer_rows(answers, args.min_throughput, ref_layers), columns=ANSWER_COLUMNS)
+            adf = adf.astype({"layers": "Int64", "micro_batch_size": "Int64"})  # whole numbers, empty where none
             atomic_write_text(stage / "frontier_answers.csv", adf.to_csv(index=False))
             frontier_plot(fdf, answers, args.min_throughput, stage / "frontier.png")
             written += ["frontier.csv", "frontier_answers.csv", "frontier.png"]
