@@ -107,8 +107,9 @@ def run(args: argparse.Namespace) -> int:
             frontier = (frontier_table(rows, depths, args.points, progress=step, jobs=args.jobs, detail=detail)
                         if args.frontier else None)
             if frontier is not None:  # the bisection towards each answer evaluates depths too
-                ref = next(r["layer_tokens_per_s"] for r in rows if r["policy"] == "1f1b")
-                answers = {p: deepest_at(frontier, depths[p], args.min_throughput, ref) for p in policies}
+                ref = next(r for r in rows if r["policy"] == "1f1b")
+                answers = {p: deepest_at(frontier, depths[p], args.min_throughput, ref["layer_tokens_per_s"])
+                           for p in policies}
     except KeyboardInterrupt:
         kept = f"the depths evaluated are kept in {journal.path}; run the same command again to resume" \
             if journal.live and journal.path.is_file() else "nothing was written"
@@ -130,8 +131,7 @@ def run(args: argparse.Namespace) -> int:
         if frontier is not None:
             fdf = pd.DataFrame(frontier, columns=FRONTIER_COLUMNS)
             atomic_write_text(stage / "frontier.csv", fdf.to_csv(index=False))
-            ref_layers = int(df.set_index("policy").loc["1f1b", "max_layers"])
-            adf = pd.DataFrame(answer_rows(answers, args.min_throughput, ref_layers), columns=ANSWER_COLUMNS)
+            adf = pd.DataFrame(answer_rows(answers, args.min_throughput, ref["max_layers"]), columns=ANSWER_COLUMNS)
             adf = adf.astype({"layers": "Int64", "micro_batch_size": "Int64"})  # whole numbers, empty where none
             atomic_write_text(stage / "frontier_answers.csv", adf.to_csv(index=False))
             frontier_plot(fdf, answers, args.min_throughput, stage / "frontier.png")
