@@ -75,6 +75,7 @@ def _by_name(policies: list[Policy]) -> dict[str, Policy]:
     return registry
 
 
+PLANNED = {"memory.plan": True, "memory.recompute_norms": True}
 POLICIES: dict[str, Policy] = _by_name(
     [
         Policy("1f1b", "1f1b", 1),
@@ -84,16 +85,17 @@ POLICIES: dict[str, Policy] = _by_name(
         Policy("v-half", "v-half", 2),
         Policy("chronos", "chronos", 2, joint=True),
         Policy("chronos+recomp", "chronos", 2, {"memory.recompute": "chronos"}, joint=True),
-        Policy("chronos+recomp+offload", "chronos", 2, {"memory.plan": True, "memory.offload_weights": "auto"},
-               joint=True),
+        # the planner's plans also recompute every kept layer's norms (memory.recompute_norms: a third of a LLaMA
+        # layer's bytes without SP for ~1 % of its time); its keep-everything candidates do not
+        Policy("chronos+recomp+offload", "chronos", 2, {**PLANNED, "memory.offload_weights": "auto"}, joint=True),
         # + the W stash moved by the MILP in the stash-bounded orders: 30-70 s per MILP at deep depths on the
         # shipped 70B setting (a --frontier run 45+ min against 5), so only on request (docs/memory.md)
-        Policy("chronos+recomp+offload+stash", "chronos", 2, {"memory.plan": True, "memory.offload_weights": "auto",
+        Policy("chronos+recomp+offload+stash", "chronos", 2, {**PLANNED, "memory.offload_weights": "auto",
                                                               "memory.offload_stash": "auto"}, joint=True,
                by_default=False),
         # + copies that move layer by layer (memory.copy_granularity = "layer"; the runtime copies tensor by tensor)
         Policy("chronos+recomp+offload+stash+layers", "chronos", 2,
-               {"memory.plan": True, "memory.offload_weights": "auto", "memory.offload_stash": "auto",
+               {**PLANNED, "memory.offload_weights": "auto", "memory.offload_stash": "auto",
                 "memory.copy_granularity": "layer"}, joint=True, by_default=False),
     ]
 )
@@ -306,9 +308,11 @@ def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy
 def _policy_step(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy, layers: int
                  ) -> tuple[Scenario, CostTable, Schedule]:
     """The scenario at `layers` under a (non-joint) policy, its cost table and its schedule."""
-    sc = load_scenario(sc_path, {**base_overrides, "pipeline.schedule": policy.schedule,
-                                 "pipeline.virtual_stages": policy.virtual_stages, "model.layers": layers,
-                                 **policy.overrides})
+    overrides = {**base_overrides, "pipeline.schedule": policy.schedule,
+                 "pipeline.virtual_stages": policy.virtual_stages, "model.layers": layers, **policy.overrides}
+    if overrides.get("memory.recompute_norms") and not load_scenario(sc_path, base_overrides).norms_recomputable:
+        overrides["memory.recompute_norms"] = False  # torch's TP keeps gathered norm outputs: nothing to free
+    sc = load_scenario(sc_path, overrides)
     return sc, build_cost_table(sc), resolve_schedule(sc)
 
 

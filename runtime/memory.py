@@ -18,6 +18,11 @@ runtime recomputes:
                           (selective-op's wrapper), offload the planned share of the
                           chunk's saved bytes (its DRAM and NVMe layers; both go to host memory here), and
                           keep the optimizer state on the host on the ranks the plan says
+    recompute_norms       on every layer not checkpointed whole or op-level, the two norms' outputs are not
+                          kept: Megatron-Core's output-discarding "layernorm" recomputation. The norm runs
+                          under checkpoint (its input kept, not its internals), and the GEMMs that save its
+                          output (directly, or as autocast's or the split backward's cast copy) save a token
+                          instead, which redoes the norm when the backward unpacks it (`SavedTensors.regenerate`)
     offload_weights       the chunk's parameters leave the device between uses (runtime/weight_offload.py)
     offload_stash         the planned share of each I's W stash waits for its W in host memory
                           (runtime/stash_offload.py)
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,6 +73,7 @@ class ChunkMemory:
     recompute_layers: int | None = None  # checkpoint only the first k decoder layers (memory MILP); None: all
     label: str = "none"
     op_layers: int = 0  # then the next j decoder layers op-level ("selective-op"; memory MILP)
+    norms: bool = False  # the other layers recompute their norms' outputs (memory.recompute_norms)
 
 
 @dataclass(frozen=True)
@@ -96,8 +103,10 @@ def run_memory(sc: Scenario, schedule: Schedule, choice: MemoryChoice | None = N
     resolved = resolve_memory_plan(sc, costs, schedule, choice)
     plan = resolved.plan
     stash = _stash_shares(plan)
+    norms = mem.recompute_norms
     if resolved.choice is None:
-        chunks = [ChunkMemory(p.removeprefix("chronos:"), mem.offload_activations, None, p) for p in plan.policy]
+        chunks = [ChunkMemory(p.removeprefix("chronos:"), mem.offload_activations, None, p, norms=norms)
+                  for p in plan.policy]
         for c in chunks:
             if c.recompute not in RECOMPUTE_WRAPPERS:
                 raise PipeplanError(f"memory.recompute: the runtime has no policy {c.recompute!r}; it runs "
@@ -106,7 +115,7 @@ def run_memory(sc: Scenario, schedule: Schedule, choice: MemoryChoice | None = N
     k, j, layers = resolved.choice.recompute_layers, resolved.choice.op_recompute_layers, costs.detail.layers
     share = _shares(plan.offload_bytes, plan.kept_bytes)
     chunks = [
-        ChunkMemory("full" if k[c] else "none", abs(float(share[c])), int(k[c]), plan.policy[c], int(j[c]))
+        ChunkMemory("full" if k[c] else "none", abs(float(share[c])), int(k[c]), plan.policy[c], int(j[c]), norms)
         for c in range(len(layers))
     ]
     on_host = resolved.choice.states_on_host
@@ -147,6 +156,10 @@ def apply_policy(chunk: nn.Module, policy: ChunkMemory | str) -> nn.Module:
         wrap(layer)
     for layer in layers[k: k + policy.op_layers]:
         _checkpoint_layer_ops(layer)
+    if policy.norms:  # whole-layer and op-level checkpointing redo the norms already
+        redone = k if policy.recompute in ("full", "selective-op") else 0
+        for layer in layers[redone + policy.op_layers:]:
+            _recompute_norms(layer)
     return chunk
 
 
@@ -169,6 +182,21 @@ def _checkpoint_attention_core(layer: nn.Module) -> None:
 def _checkpoint_layer_ops(layer: nn.Module) -> None:
     """selective-op: keep the layer's input and what `op_policy` saves, recompute the other ops."""
     layer.forward = functools.partial(_checkpointed, layer.forward, context_fn=_op_contexts)
+
+
+def _recompute_norms(layer: nn.Module) -> None:
+    """recompute_norms: keep each norm's input, not its output; the GEMMs reading the output save a token."""
+    for norm in (layer.attention_norm, layer.ffn_norm):
+        norm.forward = functools.partial(_norm_without_output, norm.forward)
+
+
+def _norm_without_output(forward, x: torch.Tensor) -> torch.Tensor:
+    meter: SavedTensors | None = getattr(_active, "meter", None)
+    if meter is None or not torch.is_grad_enabled():
+        return forward(x)
+    y = _checkpointed(forward, x)  # keeps x (reported to the meter), not the norm's internals
+    meter.regenerate(y, functools.partial(forward, x))
+    return y
 
 
 RECOMPUTE_WRAPPERS: dict[str, Callable[[nn.Module], None]] = {
@@ -227,6 +255,40 @@ def _op_contexts():
     return create_selective_checkpoint_contexts(op_policy())
 
 
+class _Regenerable:
+    """A tensor the backward recomputes rather than keeps: `fn` redoes it, once, when first unpacked."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor]):
+        self.fn = fn
+        self.value: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        if self.value is None:
+            with torch.no_grad():
+                self.value = self.fn()
+        return self.value
+
+
+@dataclass(frozen=True)
+class _Regenerated:
+    """What a saved tensor packs to when it is a regenerable tensor, a view of it or a cast copy of it (cast copies
+    keep the original's layout, so its strides and offset address the regenerated one's)."""
+
+    source: _Regenerable
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+    def get(self) -> torch.Tensor:
+        return self.source.get().to(self.dtype).as_strided(self.size, self.stride, self.offset)
+
+
+# autograd nodes a saved tensor may sit behind and still be read off the regenerated tensor: views, and one cast
+_VIEW_NODES = {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0"}
+_CAST_NODE = "ToCopyBackward0"
+
+
 class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
     """Meter (and offload a share of) what autograd saves inside the context; see the module docstring."""
 
@@ -240,6 +302,10 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
         self.offloaded: list[HostCopy] = []
         self.prefetched_bytes = 0  # brought back by prefetch, ahead of the backward
         self.demand_bytes = 0  # brought back only when the backward asked
+        # regenerable tensors (recompute_norms), by storage (a live weak reference guards against reuse) and by
+        # the autograd node that made them
+        self._by_storage: dict[int, tuple[weakref.ref, _Regenerable]] = {}
+        self._by_node: dict[object, _Regenerable] = {}
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self):
@@ -268,9 +334,43 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
         self.seen.add(ptr)
         return True
 
+    def regenerate(self, t: torch.Tensor, fn: Callable[[], torch.Tensor]) -> None:
+        """Save `t` (and its views and cast copies) as a token that calls fn() when the backward unpacks it,
+        instead of keeping its bytes."""
+        source = _Regenerable(fn)
+        self._by_storage[t.untyped_storage().data_ptr()] = (weakref.ref(t), source)
+        if t.grad_fn is not None:
+            self._by_node[t.grad_fn] = source
+
+    def regenerate_copy(self, t: torch.Tensor, copy: torch.Tensor) -> None:
+        """`copy` is t cast outside autograd (the split backward's linear under autocast): if t is regenerable
+        and contiguous, so is the copy."""
+        source = self._regenerable(t) if (self._by_node or self._by_storage) and t.is_contiguous() else None
+        if source is not None:
+            self._by_storage[copy.untyped_storage().data_ptr()] = (weakref.ref(copy), source)
+
+    def _regenerable(self, t: torch.Tensor) -> _Regenerable | None:
+        """The regenerable tensor `t` is, is a view of, or is a cast copy of (a view of) — or None."""
+        hit = self._by_storage.get(t.untyped_storage().data_ptr())
+        if hit is not None and hit[0]() is not None:
+            return hit[1]
+        node, cast = t.grad_fn, False
+        while node is not None and node not in self._by_node:
+            name = node.name()
+            if name == _CAST_NODE and not cast:
+                cast = True
+            elif name not in _VIEW_NODES or cast:  # views of a cast copy only: a cast of a view is laid out anew
+                return None
+            node = node.next_functions[0][0]
+        return self._by_node.get(node) if node is not None else None
+
     def _pack(self, t: torch.Tensor):
         if t.untyped_storage().data_ptr() in self.param_ptrs:
             return t
+        if self._by_node or self._by_storage:
+            source = self._regenerable(t)
+            if source is not None:
+                return _Regenerated(source, t.dtype, t.size(), t.stride(), t.storage_offset())
         size = t.untyped_storage().nbytes() if self.count(t) else 0
         if self.share <= 0 or self.host_bytes >= self.share * (self.host_bytes + self.device_bytes + size):
             self.device_bytes += size
@@ -294,11 +394,20 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
         return moved
 
     def _unpack(self, packed):
+        if isinstance(packed, _Regenerated):
+            return packed.get()
         if not isinstance(packed, HostCopy):
             return packed
         if packed.back is None:  # not prefetched: copied back now, on the compute stream
             self.demand_bytes += packed.nbytes
         return packed.get()
+
+
+def note_cast_copy(t: torch.Tensor, copy: torch.Tensor) -> None:
+    """Tell the active meter that `copy` is `t` cast outside autograd (SavedTensors.regenerate_copy)."""
+    meter: SavedTensors | None = getattr(_active, "meter", None)
+    if meter is not None and copy is not t:
+        meter.regenerate_copy(t, copy)
 
 
 def param_storages(module: nn.Module) -> set[int]:

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.memory import note_cast_copy
+
 _active = threading.local()
 
 
@@ -96,7 +98,9 @@ class _DeferrableLinearFn(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         dtype = autocast_dtype(x.device.type)
         if dtype is not None:  # what autocast does for F.linear, made explicit so backward sees it
-            x, weight_c = x.to(dtype), weight.to(dtype)
+            x_c, weight_c = x.to(dtype), weight.to(dtype)
+            note_cast_copy(x, x_c)  # a recomputed norm's output stays recomputable in its cast copy
+            x = x_c
         else:
             weight_c = weight
         ctx.save_for_backward(x, weight_c)

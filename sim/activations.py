@@ -11,6 +11,8 @@ the two hidden dropout masks stay whole unless sequence parallelism shards them 
     TP:           sbh(10 + 24/t + 5as/(ht))
     TP + SP:      sbh(34/t + 5as/(ht))
     + selective:  the 5as²b terms are recomputed (their inputs Q, K, V stay)
+    + norms:      the two norm outputs (QKV and MLP inputs, 2·2sbh of the replicated 10sbh) are recomputed
+                  (Megatron-Core's recompute_modules = ["layernorm"], memory.recompute_norms)
     full:         the layer input only, 2sbh (2sbh/t with SP)
     selective-op: torchtitan's op-level policy keeps the layer input and the outputs of every other matmul and
                   of attention (sim/layer_ops.py op_checkpoint_bytes, which knows the matmuls' order)
@@ -40,6 +42,7 @@ class LayerMemory:
     checkpoint: float  # full recomputation keeps the layer input only
     attention_core: float  # what selective recomputation drops: the softmax/dropout s² tensors (or LSE)
     weight_stash: float  # what a deferred W keeps after I: its GEMMs' inputs and output gradients
+    norm_outputs: float = 0.0  # what memory.recompute_norms took off `activation` (a recomputed layer holds it again)
 
 
 def sequence_divisor(sc: Scenario) -> int:
@@ -132,6 +135,12 @@ def layer_memory(sc: Scenario) -> LayerMemory:
         # without SP the 10sbh of replicated tensors do not divide (Table 2, "tensor parallel")
         per = s * b * h
         activation = per * (18 + 4 * m.ffn_hidden / h) / t if sp == t else per * (10 + (8 + 4 * m.ffn_hidden / h) / t)
+    norm_outputs = 0.0
+    if sc.memory.recompute_norms:
+        # Megatron-Core's "layernorm" recomputation frees the two norm outputs (the QKV and MLP-up inputs) and,
+        # with eager kernels, what each unfused RMSNorm saves besides (its fp32 copy of x); the norm inputs stay
+        norm_outputs = (2 * e + (2 * 4 if not tr.compile and m.architecture == "llama" else 0)) * s * b * h / sp
+        activation -= norm_outputs
     # the W GEMMs' inputs: QKV and fc1 (replicated; Megatron keeps the SP shard and re-gathers it for W), proj,
     # fc2; their output gradients: QKV and fc1 (h-sharded), proj and fc2 whole: with SP a row-parallel layer's
     # dY arrives gathered (the reduce-scatter's backward is an all-gather, _ReduceScatterToSequenceParallelRegion)
@@ -145,4 +154,5 @@ def layer_memory(sc: Scenario) -> LayerMemory:
         checkpoint=boundary_bytes(sc),
         attention_core=core / t,
         weight_stash=stash,
+        norm_outputs=norm_outputs,
     )

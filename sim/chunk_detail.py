@@ -17,7 +17,7 @@ class ChunkDetail:
     layers: np.ndarray  # layers in each chunk
     layer_activation_bytes: np.ndarray  # per layer and microbatch, no recomputation
     layer_checkpoint_bytes: np.ndarray  # per layer and microbatch under full recomputation (its input)
-    layer_forward_s: np.ndarray
+    layer_forward_s: np.ndarray  # what recomputing a whole layer redoes (less the norms B/I already redoes)
     attention_activation_bytes: np.ndarray  # per layer: what selective recomputation drops
     attention_forward_s: np.ndarray  # per layer: what selective recomputation redoes
     state_bytes: dict[str, np.ndarray]  # per chunk: weights, gradients, master_weights, optimizer
@@ -35,3 +35,12 @@ class ChunkDetail:
     backward_retained_bytes: np.ndarray | None = None  # per chunk and microbatch: held from B/I's end to the step's end
     # per chunk: seconds B's communication bound adds over its compute (ZeRO-3), which recomputation fills first
     backward_comm_slack_s: np.ndarray | None = None
+    # per layer: the norm outputs memory.recompute_norms keeps out of layer_activation_bytes; a layer recomputed
+    # whole or op-level materialises them again while its backward runs
+    layer_norm_output_bytes: np.ndarray | None = None
+
+    @property
+    def recompute_working_bytes(self) -> np.ndarray:
+        """Per layer: what a layer recomputed whole or op-level holds while its backward runs."""
+        norms = self.layer_norm_output_bytes
+        return self.layer_activation_bytes if norms is None else self.layer_activation_bytes + norms

@@ -449,6 +449,12 @@ class MemoryConfig(_Section):
     producing action ends and before the consumer starts) | layer (layer by layer: the copy out starts when the
     producer's first offloaded layer is done, and the consumer runs its layers that need nothing from the host
     while the rest comes back; sim.graph.layer_copy). The freeze planner takes chunk only."""
+    recompute_norms: bool = False
+    """Drop each layer's two norm outputs (the QKV and MLP-up GEMMs' inputs) after their GEMMs' forward and redo
+    the norms before the backward needs them, on every layer not recomputed whole or op-level: Megatron-Core's
+    `recompute_modules = ["layernorm"]` (output-discarding checkpointing, megatron/core/transformer/
+    transformer_layer.py). Without sequence parallelism the norm outputs are replicated over TP, about a third
+    of a LLaMA layer's bytes, for a memory-bound pass of ~1 % of its compute (docs/memory.md)."""
     plan: bool = False
     """Let the MILP memory planner choose recompute/offload per chunk (ignores recompute/offload_activations)."""
     plan_recompute: Literal["full", "full+op"] = "full+op"
@@ -495,6 +501,13 @@ class Scenario(_Section):
         if self.memory.offload_stash == "auto" and not self.memory.plan:
             raise ValueError("memory.offload_stash: 'auto' lets the memory MILP choose; set memory.plan = true, "
                              "or give a share in [0, 1]")
+        if self.memory.recompute_norms and self.model is None:
+            raise ValueError("memory.recompute_norms: needs a [model] scenario (explicit [costs] have no norms); "
+                             "set it to false")
+        if self.memory.recompute_norms and not self.norms_recomputable:
+            raise ValueError('memory.recompute_norms: with parallel.tp_style = "dtensor" and sequence parallelism or '
+                             "Float8 linears, torch's ColwiseParallel keeps the gathered norm output, which "
+                             'recomputing the norm does not free; use tp_style = "megatron" or set it to false')
         if self.memory.offload_weights == "auto" and not self.memory.plan:
             raise ValueError("memory.offload_weights: 'auto' lets the memory MILP choose; set memory.plan = true, "
                              "or give none | all | one bool per chunk")
@@ -505,6 +518,14 @@ class Scenario(_Section):
     @property
     def num_chunks(self) -> int:
         return self.pipeline.stages * self.pipeline.virtual_stages
+
+    @property
+    def norms_recomputable(self) -> bool:
+        """Whether recomputing the norms frees their outputs (memory.recompute_norms): not where torch's TP
+        keeps a gathered copy of them instead (sim.activations.layer_memory's `gathered`)."""
+        p, tr = self.parallel, self.training
+        gathers = p.tp > 1 and (p.sequence_parallel or tr.float8_linears)
+        return self.model is not None and not (p.tp_style == "dtensor" and gathers)
 
 
 def _check_layer_split(p: PipelineConfig, layers: int, chunks: int) -> None:

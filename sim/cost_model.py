@@ -43,6 +43,7 @@ class LayerCosts:
     attention_activation_bytes: float  # the attention core's s² tensors (or LSE): what selective drops
     attention_forward_flops: float  # the attention core: what selective recomputation redoes
     weight_stash_bytes: float  # kept from I until W when the backward is split
+    norm_output_bytes: float = 0.0  # what memory.recompute_norms frees, held again while a layer is recomputed
 
 
 def layer_params(sc: Scenario) -> tuple[float, float]:
@@ -76,6 +77,7 @@ def layer_costs(sc: Scenario) -> LayerCosts:
         attention_activation_bytes=mem.attention_core,
         attention_forward_flops=fl.attention_forward,
         weight_stash_bytes=mem.weight_stash,
+        norm_output_bytes=mem.norm_outputs,
     )
 
 
@@ -292,7 +294,8 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
         layers=counts,
         layer_activation_bytes=np.full(chunks, lc.activation_bytes * frag),
         layer_checkpoint_bytes=np.full(chunks, lc.checkpoint_bytes * frag),
-        layer_forward_s=np.full(chunks, lt.forward_s),
+        layer_norm_output_bytes=np.full(chunks, lc.norm_output_bytes * frag),
+        layer_forward_s=np.full(chunks, lt.forward_s - lt.norm_recompute_s),  # B/I already redoes the norms
         attention_activation_bytes=np.full(chunks, lc.attention_activation_bytes * frag),
         attention_forward_s=np.full(chunks, lt.attention_forward_s),
         state_bytes=states,

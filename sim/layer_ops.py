@@ -58,6 +58,7 @@ class LayerTimes:
     backward_weight_s: float
     attention_forward_s: float
     op_recompute_s: float  # what op-level selective recomputation redoes (sim/memory.py "selective-op")
+    norm_recompute_s: float = 0.0  # the two norms' forward, redone before the backward (memory.recompute_norms)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,22 @@ def layer_flops(sc: Scenario) -> LayerFlops:
     return LayerFlops(linear + attn, linear + back * attn, linear, attn)
 
 
+def _norm_bytes_per_element(sc: Scenario) -> int:
+    """Forward bytes one norm reads + writes per element: fused 2e (read x, write y); torchtitan's eager RMSNorm
+    (x.float(), pow, mean, x * rsqrt, type_as, * weight) 28 + 4e; F.layer_norm is one kernel either way."""
+    e = DTYPE_BYTES[sc.training.dtype]
+    eager = not sc.training.compile and sc.model is not None and sc.model.architecture == "llama"
+    return 28 + 4 * e if eager else 2 * e
+
+
+def norms_forward_bytes(sc: Scenario) -> float:
+    """Forward bytes of one layer's two norms on one TP rank (replicated over TP without sequence parallelism):
+    what Megatron-Core's layernorm recomputation (memory.recompute_norms) redoes before the backward."""
+    m, tr = sc.model, sc.training
+    assert m is not None
+    return 2 * _norm_bytes_per_element(sc) * tr.micro_batch_size * m.seq_len * m.hidden / sequence_divisor(sc)
+
+
 def _elementwise_bytes(sc: Scenario) -> float:
     """Forward bytes read + written by one layer's memory-bound ops on one TP rank.
 
@@ -123,13 +140,12 @@ def _elementwise_bytes(sc: Scenario) -> float:
     mask = MASK_BYTES if tr.dropout > 0 else 0
     sp = sequence_divisor(sc)
     eager = not tr.compile
+    norm = _norm_bytes_per_element(sc)
     if m.architecture == "gpt":
-        norm = 2 * e  # F.layer_norm is one kernel either way
         residual = (7 * e if eager else 3 * e) + mask  # bias, dropout, residual add
         replicated = (2 * norm + 2 * residual) * sb * h
         sharded = (4 * e if eager else 2 * e) * sb * f  # bias + GeLU
         return replicated / sp + sharded / t
-    norm = 28 + 4 * e if eager else 2 * e
     replicated = (2 * norm + 2 * (3 * e + mask)) * sb * h  # two RMSNorms, two (dropout +) residual adds
     rope = (16 + 2 * e if eager else 2 * e) * sb * (h + h_kv)
     swiglu = (5 * e if eager else 3 * e) * sb * f
@@ -253,12 +269,16 @@ def layer_times(sc: Scenario, dev: DeviceSpec, tp: Link) -> LayerTimes:
     redo_comm = sum(collective_s(c, t, tp) for c in colls["F"]
                     if c.kind != "reduce-scatter")
     op_recompute = unsaved + elem + cast_f + redo_comm + (attn_f if tr.attention == "eager" else 0.0)
+    # layernorm recomputation redoes the two norms before each backward (I, or B: where Megatron-Core's grad hook
+    # fires, so a split backward's W finds its inputs restored); full and op-level recomputation already redo them
+    norms = memory_bound_s(norms_forward_bytes(sc), dev) if sc.memory.recompute_norms else 0.0
     return LayerTimes(
         forward_s=with_comm(f_gemm, "F") + cast_f + attn_f + elem,
-        backward_input_s=with_comm(i_gemm, "I") + cast_i + attn_i + ELEMENTWISE_BACKWARD_FACTOR * elem,
+        backward_input_s=with_comm(i_gemm, "I") + cast_i + attn_i + ELEMENTWISE_BACKWARD_FACTOR * elem + norms,
         backward_weight_s=with_comm(w_gemm, "W") + cast_w,
         attention_forward_s=attn_f,
-        op_recompute_s=op_recompute,
+        op_recompute_s=op_recompute - norms,
+        norm_recompute_s=norms,
     )
 
 

@@ -60,7 +60,7 @@ def activation_arrays(
             - op_layers * saved_op)
     extra = (full_layers * d.layer_forward_s + selective_layers * d.attention_forward_s
              + op_layers * or_zeros(d.op_recompute_s, n))
-    transient = np.where((full_layers > 0) | (op_layers > 0), d.layer_activation_bytes,
+    transient = np.where((full_layers > 0) | (op_layers > 0), d.recompute_working_bytes,
                          np.where(selective_layers > 0, d.attention_activation_bytes, 0.0))
     # the loss's working set (last chunk) is freed before the first layer's recomputation starts: autograd runs
     # the loss and LM-head backward, then reaches the last checkpointed layer, so the two never coexist

@@ -755,7 +755,7 @@ def _hbm_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, base: Me
         bc = pos.backward_chunk[p]
         if bc >= 0:  # a recomputed layer's working set replaces the loss's (sim.memory.activation_arrays: max)
             cols.append(col.recomputes[bc])
-            vals.append(max(ch.act[bc] - float(base.transient_bytes[bc]), 0.0))
+            vals.append(max(float(costs.detail.recompute_working_bytes[bc]) - float(base.transient_bytes[bc]), 0.0))
         for c in np.flatnonzero(pos.weights_away[p]):
             cols.append(col.weights[c])
             vals.append(-ch.weight_bytes[c])

@@ -13,7 +13,7 @@ import torch
 
 from runtime.config import RunConfig
 from runtime.launch import spawn
-from runtime.memory import RECOMPUTE_WRAPPERS, SavedTensors, apply_policy, param_storages
+from runtime.memory import RECOMPUTE_WRAPPERS, ChunkMemory, SavedTensors, apply_policy, param_storages
 from runtime.model import ModelArgs
 from runtime.stages import build_chunk, layer_ranges
 from scenarios import scenario_path
@@ -27,15 +27,15 @@ POLICIES = ("none", "selective", "selective-op", "full")
 SHAPES = [(128, 4, 2, 352, 64, 2), (64, 8, 8, 96, 32, 3)]
 
 
-def shape_scenario(shape):
+def shape_scenario(shape, **extra):
     h, a, kv, f, s, b = shape
     return load_scenario(scenario_path("tiny-cpu"), {
         "model.hidden": h, "model.heads": a, "model.kv_heads": kv, "model.ffn_hidden": f, "model.seq_len": s,
         "training.micro_batch_size": b, "training.dtype": "fp32", "training.attention": "flash",
-        "training.compile": True, "parallel.tp": 1})
+        "training.compile": True, "parallel.tp": 1, **extra})
 
 
-def kept_per_layer(sc, policy: str, layers: int = 2) -> float:
+def kept_per_layer(sc, policy: str | ChunkMemory, layers: int = 2) -> float:
     """Bytes the executor's meter counts for one forward of a middle chunk of `layers` layers, per layer.
     A middle chunk (no embedding, no LM head) holds only decoder layers, so the count is layers x one layer's."""
     args = replace(ModelArgs.from_scenario(sc.model), n_layers=layers + 2)
@@ -74,6 +74,20 @@ def test_each_policy_keeps_the_cost_models_bytes_per_layer(shape):
     assert kept["full"] < kept["selective-op"] < kept["selective"] < kept["none"]
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("policy", ["none", "selective"])
+def test_recomputed_norms_keep_the_cost_models_bytes_per_layer(shape, policy):
+    """memory.recompute_norms: the layer keeps neither norm's output (nor what this eager norm saves inside), so
+    it keeps exactly the cost model's count with the norm outputs (2·e·sbh) taken off."""
+    sc, norms = shape_scenario(shape), shape_scenario(shape, **{"memory.recompute_norms": True})
+    e = DTYPE_BYTES[sc.training.dtype]
+    tokens, h = sc.training.micro_batch_size * sc.model.seq_len, sc.model.hidden
+    core = layer_memory(sc).attention_core if policy == "selective" else 0.0
+    kept = kept_per_layer(sc, ChunkMemory(policy, 0.0, norms=True))
+    assert layer_memory(norms).activation == layer_memory(sc).activation - 2 * e * tokens * h
+    assert kept == layer_memory(norms).activation - core
+
+
 # ---- the same numbers on a pipeline, bit for bit ------------------------------------------------------------
 RANKS, MICROBATCHES, STEPS = 2, 4, 2
 TINY = {"model.hidden": 32, "model.layers": 4, "model.ffn_hidden": 64, "model.seq_len": 16,
@@ -99,14 +113,19 @@ def train_recording_gradients(cfg: RunConfig, rank: int, world: int):
     return [r.trace.losses for r in history], grads, [r.trace.activation_bytes for r in history]
 
 
+# every policy, and the norms recomputed beside keep-everything and selective (memory.recompute_norms)
+VARIANTS = {**{p: {"memory.recompute": p} for p in POLICIES},
+            **{f"{p}+norms": {"memory.recompute": p, "memory.recompute_norms": True} for p in ("none", "selective")}}
+
+
 def _job(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     out = {}
     for name, v in SCHEDULES.items():
-        for policy in POLICIES:
+        for variant, overrides in VARIANTS.items():
             cfg = RunConfig(overrides={**TINY, "pipeline.schedule": name, "pipeline.virtual_stages": v,
-                                       "memory.recompute": policy}, data="synthetic", timeout_s=60, steps=STEPS)
-            out[(name, policy)] = train_recording_gradients(cfg, rank, world)
+                                       **overrides}, data="synthetic", timeout_s=60, steps=STEPS)
+            out[(name, variant)] = train_recording_gradients(cfg, rank, world)
     return out
 
 
@@ -116,7 +135,7 @@ def results():
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
-@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "none"])
+@pytest.mark.parametrize("policy", [p for p in VARIANTS if p != "none"])
 def test_recomputation_gives_no_recomputations_losses_and_gradients_exactly(name, policy, results):
     for rank in results:
         losses, grads, activation = rank[(name, policy)]
