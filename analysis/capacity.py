@@ -48,6 +48,7 @@ from solver.memory_milp import MemoryInfeasibleError, makespan_lower_bound
 from solver.step import resolve_memory_plan
 
 MAX_LAYERS = 4096
+INTERLEAVED_V = (2, 3, 4)  # interleaved 1F1B's v among a joint policy's orders (why these: STANDARD_ORDERS)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Policy:
     overrides: dict[str, Any] = field(default_factory=dict)
     joint: bool = False  # v, cap, stash limit and clock chosen per depth (chronos_variants), the fastest that fits
     by_default: bool = True  # run when --policies is not given (opt-in ones take much longer)
+    interleaved_v: tuple[int, ...] = INTERLEAVED_V  # a joint policy's loop-placed orders (--interleaved-v)
 
     @property
     def planner(self) -> bool:
@@ -160,14 +162,20 @@ JOINT_V = (2, 4)  # chunks per rank a joint chronos policy tries (even, as its z
 # layers of the 70B one the fastest plans the planner finds: docs/memory.md). Interleaved at v = 3 and 4 as
 # well: each chunk more per rank cuts the bubble again ((p - 1) / (v m + p - 1)), and their MILPs solve from 80 to
 # 192 layers there (at 144 v = 4 1.072, gap 1.3 %; v = 3 1.046) since the MILP counts memory in GiB
-# (solver.memory_milp.GIB); more chunks are not searched: v = 6's MILP at 144 layers runs into the 600 s safety
-# net at the shipped 32 x 4 (docs/memory.md), and every depth would pay each order's minutes of MILP
-INTERLEAVED_V = (2, 3, 4)
-STANDARD_ORDERS: tuple[dict[str, Any], ...] = (
-    {"pipeline.schedule": "zbv", "pipeline.virtual_stages": 2},
-    {"pipeline.schedule": "1f1b", "pipeline.virtual_stages": 1},
-    *({"pipeline.schedule": "interleaved-1f1b", "pipeline.virtual_stages": v} for v in INTERLEAVED_V),
-)
+# (solver.memory_milp.GIB). More chunks are searched only on request (INTERLEAVED_V, above the policies;
+# `pipeplan capacity --interleaved-v 2,3,4,6`): with the norms recomputed v = 6 plans 1.177 at 144 layers of the
+# shipped 70B setting in 36 s, but its MILP runs into the 600 s net at 240, which a default run would pay at
+# every deep depth (docs/memory.md)
+
+
+def standard_orders(interleaved_v: tuple[int, ...] = INTERLEAVED_V) -> tuple[dict[str, Any], ...]:
+    """ZB-V's, 1F1B's and interleaved 1F1B's own orders at each v of `interleaved_v` (chronos_variants)."""
+    return ({"pipeline.schedule": "zbv", "pipeline.virtual_stages": 2},
+            {"pipeline.schedule": "1f1b", "pipeline.virtual_stages": 1},
+            *({"pipeline.schedule": "interleaved-1f1b", "pipeline.virtual_stages": v} for v in interleaved_v))
+
+
+STANDARD_ORDERS = standard_orders()
 KEEP: tuple[tuple[str, Any], ...] = ()  # a joint run's memory treatment, as sorted override items
 
 
@@ -195,8 +203,8 @@ def own_caps(stages: int, microbatches: int, v: int, times: ActionTimes | None =
                    chronos_plan(stages, microbatches, v, times=times, full_b=True)[0])
 
 
-def chronos_variants(stages: int, microbatches: int, layers: int, timed_caps: dict[int, OwnCaps] | None = None
-                     ) -> list[dict[str, Any]]:
+def chronos_variants(stages: int, microbatches: int, layers: int, timed_caps: dict[int, OwnCaps] | None = None,
+                     interleaved_v: tuple[int, ...] = INTERLEAVED_V) -> list[dict[str, Any]]:
     """(v, admission cap, stash limit, list clock) a joint chronos policy tries at `layers`: v in JOINT_V where
     every chunk gets a layer; caps in chunk-activations: chronos' own choice, V-Half's (v_half_limit, per chunk
     pair; with the stash limit = cap at v = 2 on unit costs, exactly v-half's order, so `chronos` >= `v-half`
@@ -210,9 +218,10 @@ def chronos_variants(stages: int, microbatches: int, layers: int, timed_caps: di
     recompute rule to every variant and never tries keep-everything, and the planner runs the MILP only on the
     orders `planned_variant` names (keeping everything elsewhere), so a policy with more memory treatments is
     not guaranteed to be faster than one with fewer at every depth. ZB-V's, 1F1B's and interleaved 1F1B's own
-    orders (`STANDARD_ORDERS`, where their schedules take the sizes) are variants too, as V-Half's is, so every
-    chronos policy is at least each of them under the same memory treatment."""
-    out = [dict(var) for var in STANDARD_ORDERS if standard_order_fits(stages, microbatches, layers, var)]
+    orders (`standard_orders(interleaved_v)`, where their schedules take the sizes) are variants too, as V-Half's
+    is, so every chronos policy is at least each of them under the same memory treatment."""
+    out = [dict(var) for var in standard_orders(interleaved_v)
+           if standard_order_fits(stages, microbatches, layers, var)]
     for v in JOINT_V:
         if layers < stages * v:
             continue
@@ -258,7 +267,7 @@ def planned_variant(stages: int, microbatches: int, var: dict[str, Any], timed_c
     layers the best full-B plans measured were at the own caps, and past ~200 layers only the small caps fit,
     docs/memory.md). Each MILP costs 2-480 s at 48-320 layers;
     `_evaluate_joint` runs them in order of their bound and stops once none left can win."""
-    if var in STANDARD_ORDERS:
+    if "pipeline.schedule" in var:  # a standard order (chronos' own variants name no schedule)
         return True  # one order each, planned (ZB-V's with its W stash in HBM: planner_treatment)
     v, cap = var["pipeline.virtual_stages"], var["pipeline.admission_cap"]
     own = timed_caps[v] if var.get("pipeline.order_timing") == "costs" else own_caps(stages, microbatches, v)
@@ -272,7 +281,7 @@ def variant_label(var: dict[str, Any]) -> str:
     """`v=2 cap=10`; with the W stash counted against the cap `v=2 cap=10 stash<=10`; without one, `... full-B`;
     built on the step's costs (pipeline.order_timing = "costs"), `... timed`; a standard order by its schedule's
     name, `v=2 zbv`, `v=1 1f1b`, `v=2 interleaved-1f1b` (and v = 3, 4)."""
-    if var in STANDARD_ORDERS:
+    if "pipeline.schedule" in var:
         return f"v={var['pipeline.virtual_stages']} {var['pipeline.schedule']}"
     stash = var.get("pipeline.stash_limit")
     tail = "" if stash is None else " full-B" if stash == 0 else f" stash<={stash}"
@@ -350,7 +359,7 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
 
     p, m = sc.pipeline.stages, sc.pipeline.microbatches
     timed = timed_own_caps(sc_path, base_overrides, p, m, layers)
-    variants = chronos_variants(p, m, layers, timed)
+    variants = chronos_variants(p, m, layers, timed, policy.interleaved_v)
     treatment = tuple(sorted(policy.overrides.items()))
     cheap = (KEEP,) if policy.planner else (treatment,)
     tried = [run(var, t) for var in variants for t in cheap]
@@ -474,7 +483,7 @@ class PolicyDepths:
         self.journal = journal  # every evaluation recorded as it is made, for a later run to resume from
         self.key = "" if journal is None else depth_key(sc_path, overrides, {
             "name": policy.name, "schedule": policy.schedule, "virtual_stages": policy.virtual_stages,
-            "overrides": policy.overrides, "joint": policy.joint}, sizes)
+            "overrides": policy.overrides, "joint": policy.joint, "interleaved_v": list(policy.interleaved_v)}, sizes)
         if journal is not None:
             for layers, data in journal.entries(self.key).items():
                 try:
@@ -557,12 +566,12 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
     pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _search(sc_path: str | None, overrides: dict[str, Any], name: str, stages: int, own: int,
+def _search(sc_path: str | None, overrides: dict[str, Any], policy: Policy, stages: int, own: int,
             sizes: tuple[int, ...] = (), journal: Journal | None = None) -> dict[int, Evaluation]:
     """A worker's share of `capacity_table`: one policy's depth search and its scenario depth, with every
     evaluation made on the way (the parent replays the search on them without evaluating again); each is
     journaled here as it is made, so a run stopped during a long search keeps what it had."""
-    fits = PolicyDepths(sc_path, overrides, POLICIES[name], stages, sizes=sizes, journal=journal)
+    fits = PolicyDepths(sc_path, overrides, policy, stages, sizes=sizes, journal=journal)
     max_layers(fits, fits.step)
     if own % fits.step == 0:
         fits(own)
@@ -577,8 +586,8 @@ def _search_all(depths: dict[str, PolicyDepths], own: int, jobs: int,
                    key=lambda n: (not depths[n].policy.planner, not depths[n].policy.joint))
     if len(names) <= 1:  # no company: the caller's own search is as fast
         return
-    calls = {n: (_search, (depths[n].sc_path, depths[n].overrides, n, depths[n].stages, own, depths[n].sizes,
-                           depths[n].journal)) for n in names}
+    calls = {n: (_search, (depths[n].sc_path, depths[n].overrides, depths[n].policy, depths[n].stages, own,
+                           depths[n].sizes, depths[n].journal)) for n in names}
     for n, evaluations in _in_workers(jobs, calls):
         depths[n].store(evaluations)
         if detail:
@@ -603,6 +612,11 @@ def evaluate_all(depths: dict[str, PolicyDepths], pairs: Iterable[tuple[str, int
             detail(f"{n} at {layers} layers")
 
 
+def with_interleaved_v(names: list[str], interleaved_v: tuple[int, ...]) -> list[Policy]:
+    """The named policies, the joint ones trying interleaved 1F1B's order at each v of `interleaved_v`."""
+    return [replace(POLICIES[n], interleaved_v=interleaved_v) if POLICIES[n].joint else POLICIES[n] for n in names]
+
+
 def checked_scenario(sc_path: str | None, policies: list[str], overrides: dict[str, Any] | None = None) -> Scenario:
     """The scenario capacity varies, with the policy names checked: bad input is one line before any work."""
     base = load_scenario(sc_path, overrides)
@@ -618,7 +632,7 @@ def checked_scenario(sc_path: str | None, policies: list[str], overrides: dict[s
 
 def capacity_table(
     sc_path: str | None,
-    policies: list[str],
+    policies: list[str] | list[Policy],
     progress: Callable[[str], None] | None = None,
     target_ratio: float = 2.4,
     depths: dict[str, PolicyDepths] | None = None,
@@ -634,7 +648,10 @@ def capacity_table(
     under every policy; `detail` hears of every depth evaluated; `jobs` > 1 runs the evaluations in that many
     processes (module docstring); `micro_batch_sizes` lets every policy, plain 1F1B's reference included,
     take the fastest of these sizes that fits at each depth, the global batch fixed (`evaluate_sizes`); a
-    `journal` supplies the evaluations of an earlier run with the same inputs and records every new one."""
+    `journal` supplies the evaluations of an earlier run with the same inputs and records every new one.
+    `policies` are names of POLICIES, or Policy objects (`with_interleaved_v`)."""
+    defined = {p.name: p for p in policies if isinstance(p, Policy)}
+    policies = [p.name if isinstance(p, Policy) else p for p in policies]
     base = checked_scenario(sc_path, policies, overrides)
     keep = {**(overrides or {}), "memory.hbm_margin_gib": base.memory.hbm_margin_gib}
     depths = {} if depths is None else depths
@@ -644,8 +661,8 @@ def capacity_table(
     for size in sizes:  # refused before any work
         batch_overrides(base, size)
     for name in policies:
-        depths.setdefault(name, PolicyDepths(sc_path, keep, POLICIES[name], base.pipeline.stages, bounds, detail,
-                                             sizes, journal))
+        depths.setdefault(name, PolicyDepths(sc_path, keep, defined.get(name, POLICIES.get(name)),
+                                             base.pipeline.stages, bounds, detail, sizes, journal))
     if jobs > 1:
         _search_all({n: depths[n] for n in policies}, own, jobs, detail)
     rows = []

@@ -388,3 +388,42 @@ def test_micro_batch_sizes_are_checked_before_any_work(tmp_path, capsys):
     assert "--micro-batch-sizes: '4,x'; give positive integers" in err
     assert "--micro-batch-sizes: 256 does not divide" in err
     assert "Traceback" not in err and not any(tmp_path.iterdir())
+
+
+def test_interleaved_v_widens_the_joint_policies_loop_placed_orders(tmp_path):
+    """--interleaved-v 2,3,4,6: the joint chronos policies also try interleaved 1F1B's order at v = 6 (planned,
+    labelled), the other policies are untouched, and the journal keeps the two searches apart."""
+    from analysis.capacity import (
+        INTERLEAVED_V,
+        PolicyDepths,
+        chronos_variants,
+        planned_variant,
+        timed_own_caps,
+        variant_label,
+        with_interleaved_v,
+    )
+    from analysis.capacity_journal import Journal
+
+    p, m, layers = 4, 8, 24
+    six = {"pipeline.schedule": "interleaved-1f1b", "pipeline.virtual_stages": 6}
+    timed = timed_own_caps(None, {"pipeline.stages": p, "pipeline.microbatches": m}, p, m, layers)
+    assert INTERLEAVED_V == (2, 3, 4) and six not in chronos_variants(p, m, layers, timed)
+    wide = chronos_variants(p, m, layers, timed, (2, 3, 4, 6))
+    assert six in wide and planned_variant(p, m, six, timed) and variant_label(six) == "v=6 interleaved-1f1b"
+    assert all(v in wide for v in chronos_variants(p, m, layers, timed))
+    assert six not in chronos_variants(p, m, 20, timed, (2, 3, 4, 6))  # 20 layers: a chunk of 24 would be empty
+    policies = with_interleaved_v(["1f1b", "chronos", "chronos+recomp+offload"], (2, 3, 4, 6))
+    assert [q.interleaved_v for q in policies] == [INTERLEAVED_V, (2, 3, 4, 6), (2, 3, 4, 6)]
+    journal = Journal(tmp_path, {})
+    keys = {PolicyDepths(SEVENTY, {}, q, 8, journal=journal).key
+            for q in (POLICIES["chronos"], *with_interleaved_v(["chronos"], (2, 3, 4, 6)))}
+    assert len(keys) == 2
+
+
+def test_interleaved_v_is_checked_before_any_work(tmp_path, capsys):
+    for i, vs in enumerate(("1", "2,x", "33")):
+        assert main(["capacity", SEVENTY, "--policies", "chronos", "--interleaved-v", vs,
+                     "--out", str(tmp_path / str(i))]) == 2
+    err = capsys.readouterr().err
+    assert err.count("--interleaved-v: ") == 3 and "give chunks per rank from 2 to 32" in err
+    assert len(err.strip().splitlines()) == 3 and "Traceback" not in err and not any(tmp_path.iterdir())

@@ -4,6 +4,7 @@
     pipeplan capacity llama2-70b-48l-pp8-tp8-a100 --frontier --min-throughput 0.95   # ~50 min on 2 cores
     pipeplan capacity --policies 1f1b,zbv --set training.micro_batch_size=2 --out out/cap-mbs2   # seconds
     pipeplan capacity --policies 1f1b,1f1b+recompute,zbv --micro-batch-sizes 4,2,1 --frontier   # same global batch
+    pipeplan capacity llama2-70b-48l-pp8-tp8-a100 --interleaved-v 2,3,4,6   # + v = 6: minutes more per deep depth
 
 Stopped part-way (Ctrl-C, a crash), the same command resumes from --out's evaluations.jsonl.
 """
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from analysis.capacity import DEFAULT_POLICIES, POLICIES
+    from analysis.capacity import DEFAULT_POLICIES, INTERLEAVED_V, POLICIES
     from analysis.outputs import add_force_argument
 
     add_scenario_argument(parser)
@@ -46,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated micro-batch sizes (sequences) every policy, plain 1F1B's reference "
                              "included, may choose from per depth, the global batch (micro_batch_size x "
                              "microbatches) fixed: the fastest that fits wins (default: the scenario's size)")
+    parser.add_argument("--interleaved-v", default=",".join(map(str, INTERLEAVED_V)),
+                        help="comma-separated chunks per rank of the interleaved 1F1B orders the chronos policies "
+                             "also try (default: " + ",".join(map(str, INTERLEAVED_V)) + "; 6 plans faster at some "
+                             "depths, but its MILP takes minutes at others: docs/memory.md)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="worker processes: each policy's depth search in one, the target and frontier depths "
                              "spread over all; the same answer as --jobs 1 (default: this machine's CPUs)")
@@ -67,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         checked_scenario,
         deepest_at,
         frontier_table,
+        with_interleaved_v,
     )
     from analysis.capacity_journal import JOURNAL
     from analysis.capacity_plots import capacity_plot, frontier_plot, print_capacity, print_frontier
@@ -86,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         raise ScenarioError(f"--jobs: {args.jobs}; must be 1..{MAX_JOBS}")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     sizes = parse_sizes(args.micro_batch_sizes)
+    interleaved_v = parse_interleaved_v(args.interleaved_v)
     if args.frontier and "1f1b" not in policies:
         policies.insert(0, "1f1b")  # the reference every frontier row is measured against
     base = checked_scenario(args.scenario, policies, scenario_overrides(args))  # one line, before any work
@@ -101,9 +108,9 @@ def run(args: argparse.Namespace) -> int:
             def detail(what: str) -> None:  # every depth evaluated: the MILP policies take seconds per depth
                 bar.update(task, description=f"capacity: {what}")
 
-            rows = capacity_table(args.scenario, policies, progress=step, target_ratio=args.target_ratio,
-                                  depths=depths, overrides=scenario_overrides(args), detail=detail, jobs=args.jobs,
-                                  micro_batch_sizes=sizes, journal=journal)
+            rows = capacity_table(args.scenario, with_interleaved_v(policies, interleaved_v), progress=step,
+                                  target_ratio=args.target_ratio, depths=depths, overrides=scenario_overrides(args),
+                                  detail=detail, jobs=args.jobs, micro_batch_sizes=sizes, journal=journal)
             frontier = (frontier_table(rows, depths, args.points, progress=step, jobs=args.jobs, detail=detail)
                         if args.frontier else None)
             if frontier is not None:  # the bisection towards each answer evaluates depths too
@@ -151,6 +158,20 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     if not all(t.isdigit() and int(t) > 0 for t in parts):
         raise ScenarioError(f"--micro-batch-sizes: {text!r}; give positive integers separated by commas, e.g. 4,2,1")
     return tuple(dict.fromkeys(int(t) for t in parts))
+
+
+MAX_INTERLEAVED_V = 32
+
+
+def parse_interleaved_v(text: str) -> tuple[int, ...]:
+    """`--interleaved-v 2,3,4,6` as ints from 2 to MAX_INTERLEAVED_V, in ascending order (empty: none)."""
+    from sim.errors import ScenarioError
+
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    if not all(t.isdigit() and 2 <= int(t) <= MAX_INTERLEAVED_V for t in parts):
+        raise ScenarioError(f"--interleaved-v: {text!r}; give chunks per rank from 2 to {MAX_INTERLEAVED_V} "
+                            "separated by commas, e.g. 2,3,4,6")
+    return tuple(sorted({int(t) for t in parts}))
 
 
 def open_journal(args: argparse.Namespace) -> Journal:
