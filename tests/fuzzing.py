@@ -44,7 +44,7 @@ KEYS = [
     "parallel.sequence_parallel", "device.preset", "device.peak_tflops", "device.efficiency", "device.hbm_gib",
     "interconnect.p2p_gbps", "interconnect.p2p_latency_us", "freeze.cap", "freeze.max_ratio", "freeze.curve",
     "freeze.backward_min_s", "freeze.weight_min_s", "memory.recompute", "memory.offload_activations",
-    "memory.optimizer", "memory.hbm_margin_gib", "memory.prefetch_lookahead", "memory.plan",
+    "memory.optimizer", "memory.hbm_margin_gib", "memory.prefetch_lookahead", "memory.plan", "memory.recompute_norms",
     "pipeline.stagez", "pipeline", "costs.forward_s.x", "nope.key", "model",
 ]  # fmt: skip
 
@@ -149,7 +149,7 @@ def run_line(draw: st.DrawFn) -> Case:
 CAPACITY_KEYS = [
     "model.layers", "model.hidden", "model.heads", "model.vocab", "model.seq_len", "training.micro_batch_size",
     "pipeline.stages", "pipeline.microbatches", "device.hbm_gib", "memory.hbm_margin_gib", "memory.recompute",
-    "parallel.tp", "pipeline.stagez",
+    "parallel.tp", "pipeline.stagez", "memory.recompute_norms",
 ]  # fmt: skip
 
 
@@ -170,6 +170,8 @@ def capacity_line(draw: st.DrawFn) -> Case:
         flags += ["--micro-batch-sizes", draw(st.sampled_from(["1", "2,1", "3", "0", "1,1", "a", "", "99999"]))]
     if draw(st.integers(0, 4)) == 0:
         flags += ["--target-ratio", draw(st.sampled_from(["2.4", "1", "0", "nan", "1e9", "-2"]))]
+    if draw(st.integers(0, 4)) == 0:
+        flags += ["--interleaved-v", draw(st.sampled_from(["2,3,4", "2", "", "2,6", "1", "33", "x", "3,3"]))]
     return Case(command="capacity", base=base, sets=[f"{k}={v}" for k, v in sets], flags=flags,
                 out=draw(st.sampled_from(OUT_KINDS)), force=draw(st.integers(0, 5)) == 0)
 
