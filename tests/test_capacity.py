@@ -12,6 +12,7 @@ from analysis.cli import main
 from scenarios import scenario_path
 
 SEVENTY = str(scenario_path("llama2-70b-48l-pp8-tp8-a100"))
+TINY = str(scenario_path("tiny-cpu"))
 
 
 def test_max_layers_search_finds_the_boundary():
@@ -418,6 +419,16 @@ def test_interleaved_v_widens_the_joint_policies_loop_placed_orders(tmp_path):
     keys = {PolicyDepths(SEVENTY, {}, q, 8, journal=journal).key
             for q in (POLICIES["chronos"], *with_interleaved_v(["chronos"], (2, 3, 4, 6)))}
     assert len(keys) == 2
+
+
+def test_a_policy_named_twice_runs_once(tmp_path, capsys):
+    """The fuzz campaign of 2026-12-06 (seed 20261207): `--policies 1f1b,1f1b+recompute,1f1b --frontier` wrote its
+    outputs, then failed on the console table's duplicate row with an unexpected TypeError."""
+    out = tmp_path / "dup"
+    assert main(["capacity", TINY, "--policies", "1f1b,1f1b+recompute,1f1b", "--jobs", "1", "--frontier",
+                 "--points", "2", "--out", str(out)]) == 0
+    assert list(pd.read_csv(out / "capacity.csv")["policy"]) == ["1f1b", "1f1b+recompute"]
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_interleaved_v_is_checked_before_any_work(tmp_path, capsys):

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         raise ScenarioError(f"--target-ratio: {args.target_ratio}; give a multiple of 1F1B's depth in (0, 1000]")
     if not 1 <= args.jobs <= MAX_JOBS:
         raise ScenarioError(f"--jobs: {args.jobs}; must be 1..{MAX_JOBS}")
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))  # once each
     sizes = parse_sizes(args.micro_batch_sizes)
     interleaved_v = parse_interleaved_v(args.interleaved_v)
     if args.frontier and "1f1b" not in policies:
