@@ -161,11 +161,11 @@ JOINT_V = (2, 4)  # chunks per rank a joint chronos policy tries (even, as its z
 # rank 0 (at 40 layers of the default 8B scenario: 55.0 GiB besides activations there, against 46.2; and at 144
 # layers of the 70B one the fastest plans the planner finds: docs/memory.md). Interleaved at v = 3 and 4 as
 # well: each chunk more per rank cuts the bubble again ((p - 1) / (v m + p - 1)), and their MILPs solve from 80 to
-# 192 layers there (at 144 v = 4 1.072, gap 1.3 %; v = 3 1.046) since the MILP counts memory in GiB
-# (solver.memory_milp.GIB). More chunks are searched only on request (INTERLEAVED_V, above the policies;
-# `pipeplan capacity --interleaved-v 2,3,4,6`): with the norms recomputed v = 6 plans 1.177 at 144 layers of the
-# shipped 70B setting in 36 s, but its MILP runs into the 600 s net at 240, which a default run would pay at
-# every deep depth (docs/memory.md)
+# 192 layers there since the MILP counts memory in GiB (solver.memory_milp.GIB; at 144 layers, the norms
+# recomputed, v = 4 plans 1.145 in 43 s and v = 3 1.134). More chunks are searched only on request
+# (INTERLEAVED_V, above the policies; `pipeplan capacity --interleaved-v 2,3,4,6`): with the norms recomputed
+# v = 6 plans 1.180 at 144 layers of the shipped 70B setting in 41 s, but its MILP runs into the 600 s net at 240,
+# which a default run would pay at every deep depth (docs/memory.md)
 
 
 def standard_orders(interleaved_v: tuple[int, ...] = INTERLEAVED_V) -> tuple[dict[str, Any], ...]:
