@@ -112,7 +112,8 @@ class Journal:
         self.remember(key, ev)
         if not self.live:
             return
-        if not self.folder.exists():  # the first evaluation makes the folder, ours from the start
+        if not (self.folder / MANIFEST).exists():  # the first evaluation makes the folder ours (it was absent or
+            # empty: open_journal checked), so the end of the run, and a run resumed, may write there
             self.folder.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.folder / MANIFEST, strict_json(self.manifest))
         append_fsynced(self.path, (json.dumps({"key": key, "evaluation": ev}, allow_nan=False) + "\n").encode())

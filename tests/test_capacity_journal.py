@@ -137,6 +137,19 @@ def test_replacing_another_command_s_folder_journals_only_at_the_end(tmp_path, c
     assert main(args) == 0 and "resumed" in capsys.readouterr().out
 
 
+def test_an_empty_folder_made_beforehand_takes_the_outputs(tmp_path, capsys):
+    """An --out folder made empty before the run (mkdir -p): the journal made it capacity's own with its first
+    line, so the run writes its outputs there. Before, the journal wrote no pipeplan.json into a folder that
+    already existed, and a 64-minute --frontier run ended refusing its own folder (2026-12-06)."""
+    out = tmp_path / "made"
+    out.mkdir()
+    args = ["capacity", SEVENTY, "--policies", "1f1b", "--jobs", "1", "--out", str(out)]
+    assert main(args) == 0
+    assert json.loads((out / "pipeplan.json").read_text())["command"] == "capacity"
+    assert (out / "capacity.csv").is_file() and (out / JOURNAL).is_file()
+    assert main(args) == 0 and "resumed" in capsys.readouterr().out
+
+
 def test_a_journal_that_capacity_did_not_write_is_refused_before_any_work(tmp_path, capsys, counted):
     for name in ("link", "huge"):
         (tmp_path / name).mkdir()
