@@ -1,7 +1,7 @@
 """`pipeplan capacity`: per memory policy, the deepest model of the scenario's width that fits, and its speed.
 
-    pipeplan capacity llama2-70b-48l-pp8-tp8-a100               # the ChronosPipe setting, every policy (~25 min)
-    pipeplan capacity llama2-70b-48l-pp8-tp8-a100 --frontier --min-throughput 0.95   # ~50 min on 2 cores
+    pipeplan capacity llama2-70b-48l-pp8-tp8-a100               # the ChronosPipe setting, every policy (~35 min)
+    pipeplan capacity llama2-70b-48l-pp8-tp8-a100 --frontier --min-throughput 0.95   # ~65 min on 2 cores
     pipeplan capacity --policies 1f1b,zbv --set training.micro_batch_size=2 --out out/cap-mbs2   # seconds
     pipeplan capacity --policies 1f1b,1f1b+recompute,zbv --micro-batch-sizes 4,2,1 --frontier   # same global batch
     pipeplan capacity llama2-70b-48l-pp8-tp8-a100 --interleaved-v 2,3,4,6   # + v = 6: minutes more per deep depth
