@@ -48,7 +48,7 @@ from solver.memory_milp import MemoryInfeasibleError, makespan_lower_bound
 from solver.step import resolve_memory_plan
 
 MAX_LAYERS = 4096
-INTERLEAVED_V = (2, 3, 4)  # interleaved 1F1B's v among a joint policy's orders (why these: STANDARD_ORDERS)
+INTERLEAVED_V = (2, 3, 4)  # interleaved 1F1B's v among a joint policy's orders (why these: standard_orders)
 
 
 @dataclass(frozen=True)
@@ -174,8 +174,6 @@ def standard_orders(interleaved_v: tuple[int, ...] = INTERLEAVED_V) -> tuple[dic
             {"pipeline.schedule": "1f1b", "pipeline.virtual_stages": 1},
             *({"pipeline.schedule": "interleaved-1f1b", "pipeline.virtual_stages": v} for v in interleaved_v))
 
-
-STANDARD_ORDERS = standard_orders()
 KEEP: tuple[tuple[str, Any], ...] = ()  # a joint run's memory treatment, as sorted override items
 
 
@@ -317,11 +315,9 @@ def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy
 def _policy_step(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy, layers: int
                  ) -> tuple[Scenario, CostTable, Schedule]:
     """The scenario at `layers` under a (non-joint) policy, its cost table and its schedule."""
-    overrides = {**base_overrides, "pipeline.schedule": policy.schedule,
-                 "pipeline.virtual_stages": policy.virtual_stages, "model.layers": layers, **policy.overrides}
-    if overrides.get("memory.recompute_norms") and not load_scenario(sc_path, base_overrides).norms_recomputable:
-        overrides["memory.recompute_norms"] = False  # torch's TP keeps gathered norm outputs: nothing to free
-    sc = load_scenario(sc_path, overrides)
+    sc = load_scenario(sc_path, {**base_overrides, "pipeline.schedule": policy.schedule,
+                                 "pipeline.virtual_stages": policy.virtual_stages, "model.layers": layers,
+                                 **policy.overrides})
     return sc, build_cost_table(sc), resolve_schedule(sc)
 
 
@@ -612,9 +608,16 @@ def evaluate_all(depths: dict[str, PolicyDepths], pairs: Iterable[tuple[str, int
             detail(f"{n} at {layers} layers")
 
 
-def with_interleaved_v(names: list[str], interleaved_v: tuple[int, ...]) -> list[Policy]:
-    """The named policies, the joint ones trying interleaved 1F1B's order at each v of `interleaved_v`."""
-    return [replace(POLICIES[n], interleaved_v=interleaved_v) if POLICIES[n].joint else POLICIES[n] for n in names]
+def resolved_policy(name: str, base: Scenario, interleaved_v: tuple[int, ...] = INTERLEAVED_V) -> Policy:
+    """POLICIES[name] for this run: a joint policy trying interleaved 1F1B's order at each v of `interleaved_v`,
+    and without memory.recompute_norms where the scenario's TP keeps gathered norm outputs, which recomputing
+    the norms would not free (Scenario.norms_recomputable), so the planner plans without it there."""
+    policy = POLICIES[name]
+    if policy.joint:
+        policy = replace(policy, interleaved_v=interleaved_v)
+    if policy.overrides.get("memory.recompute_norms") and not base.norms_recomputable:
+        policy = replace(policy, overrides={**policy.overrides, "memory.recompute_norms": False})
+    return policy
 
 
 def checked_scenario(sc_path: str | None, policies: list[str], overrides: dict[str, Any] | None = None) -> Scenario:
@@ -632,7 +635,7 @@ def checked_scenario(sc_path: str | None, policies: list[str], overrides: dict[s
 
 def capacity_table(
     sc_path: str | None,
-    policies: list[str] | list[Policy],
+    policies: list[str],
     progress: Callable[[str], None] | None = None,
     target_ratio: float = 2.4,
     depths: dict[str, PolicyDepths] | None = None,
@@ -641,6 +644,7 @@ def capacity_table(
     jobs: int = 1,
     micro_batch_sizes: Iterable[int] = (),
     journal: Journal | None = None,
+    interleaved_v: tuple[int, ...] = INTERLEAVED_V,
 ) -> list[dict]:
     """One row per policy: max layers and params that fit, throughput there, the scenario's own depth, and
     the depth `target_ratio` x plain 1F1B's maximum (ChronosPipe's 2.4x claim): fits there, and how fast.
@@ -648,10 +652,8 @@ def capacity_table(
     under every policy; `detail` hears of every depth evaluated; `jobs` > 1 runs the evaluations in that many
     processes (module docstring); `micro_batch_sizes` lets every policy, plain 1F1B's reference included,
     take the fastest of these sizes that fits at each depth, the global batch fixed (`evaluate_sizes`); a
-    `journal` supplies the evaluations of an earlier run with the same inputs and records every new one.
-    `policies` are names of POLICIES, or Policy objects (`with_interleaved_v`)."""
-    defined = {p.name: p for p in policies if isinstance(p, Policy)}
-    policies = [p.name if isinstance(p, Policy) else p for p in policies]
+    `journal` supplies the evaluations of an earlier run with the same inputs and records every new one; the
+    joint policies try interleaved 1F1B's order at each v of `interleaved_v` (`resolved_policy`)."""
     base = checked_scenario(sc_path, policies, overrides)
     keep = {**(overrides or {}), "memory.hbm_margin_gib": base.memory.hbm_margin_gib}
     depths = {} if depths is None else depths
@@ -661,7 +663,7 @@ def capacity_table(
     for size in sizes:  # refused before any work
         batch_overrides(base, size)
     for name in policies:
-        depths.setdefault(name, PolicyDepths(sc_path, keep, defined.get(name, POLICIES.get(name)),
+        depths.setdefault(name, PolicyDepths(sc_path, keep, resolved_policy(name, base, interleaved_v),
                                              base.pipeline.stages, bounds, detail, sizes, journal))
     if jobs > 1:
         _search_all({n: depths[n] for n in policies}, own, jobs, detail)

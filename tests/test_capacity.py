@@ -10,6 +10,7 @@ import pytest
 from analysis.capacity import POLICIES, Evaluation, max_layers
 from analysis.cli import main
 from scenarios import scenario_path
+from sim.config import load_scenario
 
 SEVENTY = str(scenario_path("llama2-70b-48l-pp8-tp8-a100"))
 TINY = str(scenario_path("tiny-cpu"))
@@ -196,7 +197,7 @@ def test_the_joint_search_builds_every_order_on_both_clocks_and_plans_the_caps_u
     """With chronos' own cap on the step's costs given per v, each order is tried on unit costs and on the
     step's costs; the MILP runs on the caps from V-Half's up to the order's own clock's chronos cap, with or
     without a W stash, and on a full B's own cap."""
-    from analysis.capacity import STANDARD_ORDERS, chronos_variants, planned_variant, timed_own_caps, variant_label
+    from analysis.capacity import chronos_variants, planned_variant, standard_orders, timed_own_caps, variant_label
     from sim.schedules.v_shape import chronos_plan
 
     p, m = 4, 8
@@ -204,6 +205,7 @@ def test_the_joint_search_builds_every_order_on_both_clocks_and_plans_the_caps_u
     assert set(timed) == {2, 4}
     assert all(own.full_b > own.split for own in timed.values())
     variants = chronos_variants(p, m, 4 * p, timed)
+    orders = standard_orders()  # the default's: ZB-V's, 1F1B's and interleaved 1F1B's at v = 2, 3, 4
     assert all(v in variants for v in chronos_variants(p, m, 4 * p))  # the unit-cost orders, as before
     on_costs = [v for v in variants if v.get("pipeline.order_timing") == "costs"]
     assert {v["pipeline.admission_cap"] for v in on_costs if v["pipeline.virtual_stages"] == 2} >= {timed[2].split, 6}
@@ -212,10 +214,10 @@ def test_the_joint_search_builds_every_order_on_both_clocks_and_plans_the_caps_u
     assert all(variant_label(v).endswith("timed") for v in on_costs)
     assert len({variant_label(v) for v in variants}) == len(variants)  # one label per order: the cache's key
     for v in (3, 4):
-        assert {"pipeline.schedule": "interleaved-1f1b", "pipeline.virtual_stages": v} in STANDARD_ORDERS
-    for order in STANDARD_ORDERS:  # ZB-V's, 1F1B's and interleaved 1F1B's (v = 2, 3, 4) own orders, each planned
+        assert {"pipeline.schedule": "interleaved-1f1b", "pipeline.virtual_stages": v} in orders
+    for order in orders:  # ZB-V's, 1F1B's and interleaved 1F1B's (v = 2, 3, 4) own orders, each planned
         assert order in variants and planned_variant(p, m, order, timed)
-    for var in (v for v in variants if v not in STANDARD_ORDERS):
+    for var in (v for v in variants if v not in orders):
         v, cap = var["pipeline.virtual_stages"], var["pipeline.admission_cap"]
         full_b = var.get("pipeline.stash_limit") == 0
         caps = timed[v] if var in on_costs else None
@@ -399,9 +401,9 @@ def test_interleaved_v_widens_the_joint_policies_loop_placed_orders(tmp_path):
         PolicyDepths,
         chronos_variants,
         planned_variant,
+        resolved_policy,
         timed_own_caps,
         variant_label,
-        with_interleaved_v,
     )
     from analysis.capacity_journal import Journal
 
@@ -413,12 +415,27 @@ def test_interleaved_v_widens_the_joint_policies_loop_placed_orders(tmp_path):
     assert six in wide and planned_variant(p, m, six, timed) and variant_label(six) == "v=6 interleaved-1f1b"
     assert all(v in wide for v in chronos_variants(p, m, layers, timed))
     assert six not in chronos_variants(p, m, 20, timed, (2, 3, 4, 6))  # 20 layers: a chunk of 24 would be empty
-    policies = with_interleaved_v(["1f1b", "chronos", "chronos+recomp+offload"], (2, 3, 4, 6))
+    base = load_scenario(SEVENTY)
+    policies = [resolved_policy(n, base, (2, 3, 4, 6)) for n in ("1f1b", "chronos", "chronos+recomp+offload")]
     assert [q.interleaved_v for q in policies] == [INTERLEAVED_V, (2, 3, 4, 6), (2, 3, 4, 6)]
     journal = Journal(tmp_path, {})
     keys = {PolicyDepths(SEVENTY, {}, q, 8, journal=journal).key
-            for q in (POLICIES["chronos"], *with_interleaved_v(["chronos"], (2, 3, 4, 6)))}
+            for q in (POLICIES["chronos"], resolved_policy("chronos", base, (2, 3, 4, 6)))}
     assert len(keys) == 2
+
+
+def test_the_planner_recomputes_the_norms_only_where_that_frees_them():
+    """memory.recompute_norms in the planner's policies, dropped once per run where torch's TP keeps gathered
+    norm outputs (tp_style "dtensor" with SP), which the scenario would refuse the flag for."""
+    from analysis.capacity import resolved_policy
+
+    plain = resolved_policy("chronos+recomp+offload", load_scenario(SEVENTY))
+    gathered = resolved_policy("chronos+recomp+offload", load_scenario(
+        SEVENTY, {"parallel.tp_style": "dtensor", "parallel.sequence_parallel": True}))
+    assert plain.overrides["memory.recompute_norms"] is True
+    assert gathered.overrides["memory.recompute_norms"] is False
+    assert {k: v for k, v in gathered.overrides.items() if k != "memory.recompute_norms"} == {
+        k: v for k, v in plain.overrides.items() if k != "memory.recompute_norms"}
 
 
 def test_a_policy_named_twice_runs_once(tmp_path, capsys):

@@ -72,7 +72,6 @@ def run(args: argparse.Namespace) -> int:
         checked_scenario,
         deepest_at,
         frontier_table,
-        with_interleaved_v,
     )
     from analysis.capacity_journal import JOURNAL
     from analysis.capacity_plots import capacity_plot, frontier_plot, print_capacity, print_frontier
@@ -108,9 +107,9 @@ def run(args: argparse.Namespace) -> int:
             def detail(what: str) -> None:  # every depth evaluated: the MILP policies take seconds per depth
                 bar.update(task, description=f"capacity: {what}")
 
-            rows = capacity_table(args.scenario, with_interleaved_v(policies, interleaved_v), progress=step,
-                                  target_ratio=args.target_ratio, depths=depths, overrides=scenario_overrides(args),
-                                  detail=detail, jobs=args.jobs, micro_batch_sizes=sizes, journal=journal)
+            rows = capacity_table(args.scenario, policies, progress=step, target_ratio=args.target_ratio,
+                                  depths=depths, overrides=scenario_overrides(args), detail=detail, jobs=args.jobs,
+                                  micro_batch_sizes=sizes, journal=journal, interleaved_v=interleaved_v)
             frontier = (frontier_table(rows, depths, args.points, progress=step, jobs=args.jobs, detail=detail)
                         if args.frontier else None)
             if frontier is not None:  # the bisection towards each answer evaluates depths too
