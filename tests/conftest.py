@@ -8,8 +8,8 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from sim.costs import CostTable
-from sim.ir import Action, Kind
+from pipeplan.sim.costs import CostTable
+from pipeplan.sim.ir import Action, Kind
 
 
 def make_costs(p: int, v: int, m: int, f=1.0, i=1.0, w=1.0, act=1.0, static=0.0, p2p=0.0, hbm=float("inf")):

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hypothesis import strategies as st
+from pipeplan.scenarios import scenario_path
 
-from analysis.cli import MAX_ERROR_CHARS, main
-from scenarios import scenario_path
+from pipeplan.analysis.cli import MAX_ERROR_CHARS, main
 
 MAX_LINE = MAX_ERROR_CHARS
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "v-half", "chronos"]
@@ -93,7 +93,7 @@ def schedule_csv() -> st.SearchStrategy[bytes]:
 
 
 def _one_f_one_b_csv(p: int, m: int) -> bytes:
-    from sim.schedules import build_schedule
+    from pipeplan.sim.schedules import build_schedule
 
     return build_schedule("1f1b", p, m, 1).to_csv_text().encode()
 

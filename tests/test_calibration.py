@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from analysis.calibrate import anchors_by_device, fit_device
-from analysis.validation import load_published
-from sim.config import device_presets
+from pipeplan.analysis.calibrate import anchors_by_device, fit_device
+from pipeplan.analysis.validation import load_published
+from pipeplan.sim.config import device_presets
 
 TORCHTITAN_PART = "H100-HBM2e-96GB-500W"  # torchtitan's Grand Teton H100 (96 GB HBM2e, 500 W)
 

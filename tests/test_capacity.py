@@ -6,11 +6,11 @@ import math
 
 import pandas as pd
 import pytest
+from pipeplan.scenarios import scenario_path
 
-from analysis.capacity import POLICIES, Evaluation, max_layers
-from analysis.cli import main
-from scenarios import scenario_path
-from sim.config import load_scenario
+from pipeplan.analysis.capacity import POLICIES, Evaluation, max_layers
+from pipeplan.analysis.cli import main
+from pipeplan.sim.config import load_scenario
 
 SEVENTY = str(scenario_path("llama2-70b-48l-pp8-tp8-a100"))
 TINY = str(scenario_path("tiny-cpu"))
@@ -53,7 +53,7 @@ def test_capacity_bad_input(tmp_path, capsys):
 
 
 def test_frontier_depths_are_multiples_from_end_to_end():
-    from analysis.capacity import frontier_depths
+    from pipeplan.analysis.capacity import frontier_depths
 
     assert frontier_depths(40, 72, 16, 24) == [32, 48, 64]  # ends rounded down onto multiples of the step
     grid = frontier_depths(48, 832, 16, 8)
@@ -76,7 +76,7 @@ class _FakeDepths:
 
 
 def test_deepest_at_matches_a_scan_of_every_depth():
-    from analysis.capacity import deepest_at, frontier_depths, frontier_row
+    from pipeplan.analysis.capacity import deepest_at, frontier_depths, frontier_row
 
     fits = _FakeDepths()
     rows = [frontier_row("fake", fits(d), 1000.0) for d in frontier_depths(8, 400, 8, 6)]
@@ -124,7 +124,7 @@ def test_capacity_frontier_cli(tmp_path, capsys):
     lead = (out / "report.md").read_text().split("\n")[2]
     assert lead.startswith(f"**Deepest model at >= 95% of plain 1F1B's per-layer throughput: {int(best['layers'])} "
                            "layers"), lead
-    from analysis.capacity import ANSWER_COLUMNS, answer_rows
+    from pipeplan.analysis.capacity import ANSWER_COLUMNS, answer_rows
 
     none = pd.DataFrame(answer_rows({"1f1b": None, "v-half": None}, 5.0, 32), columns=ANSWER_COLUMNS)
     assert none["layers"].isna().all()
@@ -140,7 +140,7 @@ def test_joint_chronos_is_at_least_every_v_schedule_and_memory_policy():
     and stash limit at v = 2), as are ZB-V's, 1F1B's and interleaved 1F1B's, and
     the planner may choose any fixed treatment, so none can beat the joint choice (beyond the MILP's 1%
     gap); and the wider search is strictly faster than V-Half where both fit."""
-    from analysis.capacity import POLICIES, PolicyDepths
+    from pipeplan.analysis.capacity import POLICIES, PolicyDepths
 
     small = {"pipeline.stages": 4, "pipeline.microbatches": 8}
     bounds: dict = {}
@@ -167,7 +167,7 @@ def test_chronos_takes_the_loop_placed_orders_where_a_v_holds_too_much_on_rank_0
     search tries their orders too, so `chronos` is at least both (before: 14,122 against 23,308 tokens/s at 40
     layers, and no fit at 44); at 40 layers interleaved 1F1B's order at v = 4 (more chunks per rank, a
     smaller bubble) fits too and is strictly faster than the interleaved policy's v = 2."""
-    from analysis.capacity import POLICIES, evaluate
+    from pipeplan.analysis.capacity import POLICIES, evaluate
 
     for layers, other, chosen in ((40, "interleaved-1f1b", "v=4 interleaved-1f1b"), (44, "1f1b", "v=1 1f1b")):
         ref = evaluate(None, {}, POLICIES[other], layers)
@@ -182,9 +182,9 @@ def test_chronos_takes_the_loop_placed_orders_where_a_v_holds_too_much_on_rank_0
 def test_v_half_s_order_is_one_of_the_chronos_variants():
     """What makes `chronos` >= `v-half` hold by construction: V-Half's cap as admission cap and stash limit at
     v = 2 is a variant the joint search tries, and it builds exactly v-half's order."""
-    from analysis.capacity import chronos_variants
-    from sim.schedules import build_schedule
-    from sim.schedules.v_shape import v_half_limit
+    from pipeplan.analysis.capacity import chronos_variants
+    from pipeplan.sim.schedules import build_schedule
+    from pipeplan.sim.schedules.v_shape import v_half_limit
 
     for p, m in [(3, 6), (4, 8), (8, 32)]:
         half = v_half_limit(p)
@@ -197,8 +197,14 @@ def test_the_joint_search_builds_every_order_on_both_clocks_and_plans_the_caps_u
     """With chronos' own cap on the step's costs given per v, each order is tried on unit costs and on the
     step's costs; the MILP runs on the caps from V-Half's up to the order's own clock's chronos cap, with or
     without a W stash, and on a full B's own cap."""
-    from analysis.capacity import chronos_variants, planned_variant, standard_orders, timed_own_caps, variant_label
-    from sim.schedules.v_shape import chronos_plan
+    from pipeplan.analysis.capacity import (
+        chronos_variants,
+        planned_variant,
+        standard_orders,
+        timed_own_caps,
+        variant_label,
+    )
+    from pipeplan.sim.schedules.v_shape import chronos_plan
 
     p, m = 4, 8
     timed = timed_own_caps(None, {"pipeline.stages": p, "pipeline.microbatches": m}, p, m, 4 * p)
@@ -231,7 +237,7 @@ def test_the_lp_bound_skips_only_plans_that_cannot_win():
     """p = 4, m = 8: the planner's bound from its MILP's LP relaxation is never below what the MILP's plan runs
     in simulation (0 exactly when no plan fits), so skipping the orders it rules out keeps the answer of the
     search that plans every one of them."""
-    from analysis.capacity import (
+    from pipeplan.analysis.capacity import (
         KEEP,
         POLICIES,
         Policy,
@@ -269,9 +275,9 @@ def test_the_lp_bound_skips_only_plans_that_cannot_win():
 def test_a_timed_out_milp_is_reported_not_counted_as_no_fit(monkeypatch):
     """The MILP's safety time limit says nothing about the depth: the evaluation is `unknown`, and the capacity
     row says its max_layers is a lower bound and where the search was cut, instead of a silent "no fit"."""
-    import analysis.capacity as capacity
-    from analysis.capacity import POLICIES, capacity_table, evaluate
-    from solver.errors import SolverTimeoutError
+    import pipeplan.analysis.capacity as capacity
+    from pipeplan.analysis.capacity import POLICIES, capacity_table, evaluate
+    from pipeplan.solver.errors import SolverTimeoutError
 
     real = capacity.resolve_memory_plan
     plain = capacity_table(SEVENTY, ["1f1b"])[0]
@@ -295,7 +301,7 @@ def test_the_stash_moving_policy_is_opt_in_and_plans_where_the_default_planner_d
     """`chronos+recomp+offload+stash` runs only when named (its MILPs take tens of seconds at deep depths), and
     on a small case it fits wherever `chronos+recomp+offload` does, at a speed within the MILP's 1% gap of it
     or better (its plan space holds the other's)."""
-    from analysis.capacity import DEFAULT_POLICIES, POLICIES, PolicyDepths
+    from pipeplan.analysis.capacity import DEFAULT_POLICIES, POLICIES, PolicyDepths
 
     stash = POLICIES["chronos+recomp+offload+stash"]
     assert stash.name not in DEFAULT_POLICIES and "chronos+recomp+offload" in DEFAULT_POLICIES
@@ -312,7 +318,7 @@ def test_the_layer_copy_policy_is_opt_in_and_at_least_as_fast():
     """`chronos+recomp+offload+stash+layers` runs only when named; on the small case it fits where the stash
     policy does, and no slower beyond the planner's 2% (layer-wise copies never delay a step, and its MILP
     prices them)."""
-    from analysis.capacity import DEFAULT_POLICIES, POLICIES, PolicyDepths
+    from pipeplan.analysis.capacity import DEFAULT_POLICIES, POLICIES, PolicyDepths
 
     layers, stash = POLICIES["chronos+recomp+offload+stash+layers"], POLICIES["chronos+recomp+offload+stash"]
     assert layers.name not in DEFAULT_POLICIES and layers.overrides["memory.copy_granularity"] == "layer"
@@ -327,7 +333,7 @@ def test_chronos_fits_2_4x_plain_1f1b_s_depth_at_95_percent_of_its_per_layer_thr
     """Issue #18's first target on the shipped ChronosPipe setting (docs/memory.md): plain 1F1B's deepest fit is
     32 layers; at 80 (2.5×) the default planner's plan on chronos' v = 4, cap-24 order built on the step's costs
     fits HBM on every rank and runs ≥ 95% of 1F1B's per-layer throughput (0.972 when measured)."""
-    from analysis.capacity import POLICIES, Policy, evaluate, variant_label
+    from pipeplan.analysis.capacity import POLICIES, Policy, evaluate, variant_label
 
     plain = evaluate(SEVENTY, {}, POLICIES["1f1b"], 32)
     assert plain.fits and not evaluate(SEVENTY, {}, POLICIES["1f1b"], 48).fits
@@ -343,7 +349,7 @@ def test_chronos_fits_2_4x_plain_1f1b_s_depth_at_95_percent_of_its_per_layer_thr
 def test_worker_processes_give_the_serial_answer():
     """--jobs: each policy's search in its own process, the target and frontier depths spread over them; every
     row (floats included) and the depths evaluated are those of the serial run."""
-    from analysis.capacity import capacity_table, frontier_table
+    from pipeplan.analysis.capacity import capacity_table, frontier_table
 
     policies = ["1f1b", "v-half"]
     runs = {}
@@ -359,7 +365,7 @@ def test_worker_processes_give_the_serial_answer():
 def test_micro_batch_sizes_take_the_fastest_cut_that_fits_with_the_reference_following(tmp_path):
     """--micro-batch-sizes: at every depth each policy takes the fastest of the sizes that fits, the global batch
     (32 x 4 sequences) fixed; plain 1F1B's reference follows. Each row is the best of the separate runs."""
-    from analysis.capacity import capacity_table
+    from pipeplan.analysis.capacity import capacity_table
 
     policies = ["1f1b", "1f1b+recompute"]
     alone = {size: {r["policy"]: r for r in capacity_table(SEVENTY, policies, overrides={
@@ -396,7 +402,7 @@ def test_micro_batch_sizes_are_checked_before_any_work(tmp_path, capsys):
 def test_interleaved_v_widens_the_joint_policies_loop_placed_orders(tmp_path):
     """--interleaved-v 2,3,4,6: the joint chronos policies also try interleaved 1F1B's order at v = 6 (planned,
     labelled), the other policies are untouched, and the journal keeps the two searches apart."""
-    from analysis.capacity import (
+    from pipeplan.analysis.capacity import (
         INTERLEAVED_V,
         PolicyDepths,
         chronos_variants,
@@ -405,7 +411,7 @@ def test_interleaved_v_widens_the_joint_policies_loop_placed_orders(tmp_path):
         timed_own_caps,
         variant_label,
     )
-    from analysis.capacity_journal import Journal
+    from pipeplan.analysis.capacity_journal import Journal
 
     p, m, layers = 4, 8, 24
     six = {"pipeline.schedule": "interleaved-1f1b", "pipeline.virtual_stages": 6}
@@ -427,7 +433,7 @@ def test_interleaved_v_widens_the_joint_policies_loop_placed_orders(tmp_path):
 def test_the_planner_recomputes_the_norms_only_where_that_frees_them():
     """memory.recompute_norms in the planner's policies, dropped once per run where torch's TP keeps gathered
     norm outputs (tp_style "dtensor" with SP), which the scenario would refuse the flag for."""
-    from analysis.capacity import resolved_policy
+    from pipeplan.analysis.capacity import resolved_policy
 
     plain = resolved_policy("chronos+recomp+offload", load_scenario(SEVENTY))
     gathered = resolved_policy("chronos+recomp+offload", load_scenario(

@@ -7,12 +7,12 @@ import json
 
 import pandas as pd
 import pytest
+from pipeplan.scenarios import scenario_path
 
-import analysis.capacity as capacity
-from analysis.capacity import capacity_table, frontier_table
-from analysis.capacity_journal import JOURNAL, Journal
-from analysis.cli import main
-from scenarios import scenario_path
+import pipeplan.analysis.capacity as capacity
+from pipeplan.analysis.capacity import capacity_table, frontier_table
+from pipeplan.analysis.capacity_journal import JOURNAL, Journal
+from pipeplan.analysis.cli import main
 
 SEVENTY = str(scenario_path("llama2-70b-48l-pp8-tp8-a100"))
 POLICIES = ["1f1b", "v-half"]

@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
+from pipeplan.scenarios import scenario_names, scenario_path
 
-from analysis.cli import COMMANDS, main
-from scenarios import scenario_names, scenario_path
+from pipeplan.analysis.cli import COMMANDS, main
 
 SIM_FILES = {"summary.json", "timeline.csv", "memory.csv", "schedule.csv", "trace.json", "gantt.png", "memory.png",
              "pipeplan.json"}
@@ -145,7 +145,8 @@ def test_bad_schedule_csv(csv, expected, tmp_path, capsys):
 def test_console_script_end_to_end(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[pipeline]\nstages = 2\nmicrobatches = 0\n")
-    proc = subprocess.run([sys.executable, "-m", "analysis.cli", "simulate", str(bad), "--out", str(tmp_path / "o")],
+    proc = subprocess.run([sys.executable, "-m", "pipeplan.analysis.cli", "simulate", str(bad),
+                           "--out", str(tmp_path / "o")],
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+from pipeplan.scenarios import scenario_path
 
-from analysis.cli import main
-from analysis.sweep import run_sweep
-from scenarios import scenario_path
-from sim.errors import PipeplanError
+from pipeplan.analysis.cli import main
+from pipeplan.analysis.sweep import run_sweep
+from pipeplan.sim.errors import PipeplanError
 
 distributed = pytest.importorskip("distributed")
 

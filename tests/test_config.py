@@ -5,10 +5,10 @@ from __future__ import annotations
 import tomllib
 
 import pytest
+from pipeplan.scenarios import scenario_names, scenario_path
 
-from scenarios import scenario_names, scenario_path
-from sim.config import load_scenario, parse_scenario
-from sim.errors import ScenarioError
+from pipeplan.sim.config import load_scenario, parse_scenario
+from pipeplan.sim.errors import ScenarioError
 
 COSTS = "[costs]\nforward_s = 1.0\nbackward_input_s = 1.0\nbackward_weight_s = 1.0\nactivation_bytes = 1.0\n"
 INT_ERR = r"pipeline\.stages: input should be a valid integer"
@@ -78,10 +78,10 @@ def test_bad_scenarios_name_the_field(text, expected):
 
 
 def test_schedule_sizes_are_checked_when_the_schedule_is_built():
-    from sim.step import resolve_schedule
+    from pipeplan.sim.step import resolve_schedule
 
     sc = parse(pipeline(schedule="zbv", v=1) + COSTS)
-    from sim.errors import ScheduleError
+    from pipeplan.sim.errors import ScheduleError
 
     with pytest.raises(ScheduleError, match="virtual_stages"):
         resolve_schedule(sc)
@@ -119,7 +119,7 @@ def test_a_bad_override_is_blamed_on_the_override_not_the_file(tmp_path):
 
 def test_p2p_blocking_reaches_the_cost_table_in_both_forms():
     """interconnect.p2p_blocking is runtime semantics, so it applies to explicit [costs] as to a model."""
-    from sim.costs import build_cost_table
+    from pipeplan.sim.costs import build_cost_table
 
     explicit = load_scenario(scenario_path("explicit-unit"), {"interconnect.p2p_blocking": True})
     model = load_scenario(scenario_path("llama3-8b-pp4-h100"), {"interconnect.p2p_blocking": True})
@@ -130,7 +130,7 @@ def test_p2p_blocking_reaches_the_cost_table_in_both_forms():
 def test_optimizer_post_validation_reaches_the_cost_table_in_both_forms():
     """training.optimizer_post_validation is runtime semantics (no end-of-step barrier), for [costs] as for a
     model; off by default (Megatron-LM's all-reduce before the optimizer step)."""
-    from sim.costs import build_cost_table
+    from pipeplan.sim.costs import build_cost_table
 
     key = {"training.optimizer_post_validation": True}
     explicit = load_scenario(scenario_path("explicit-unit"), key)

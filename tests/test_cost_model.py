@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pipeplan.scenarios import scenario_path
 
-from scenarios import scenario_path
-from sim.config import load_scenario
-from sim.cost_model import bytes_per_param, layer_costs
-from sim.costs import build_cost_table
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.cost_model import bytes_per_param, layer_costs
+from pipeplan.sim.costs import build_cost_table
 
 
 def test_llama3_8b_parameter_count_matches_the_published_8_03b():
@@ -50,7 +50,7 @@ def test_megatron_bytes_per_parameter():
 
 
 def test_mfu_and_tokens_per_s_are_consistent():
-    from sim.step import simulate_scenario
+    from pipeplan.sim.step import simulate_scenario
 
     # a flat calibration instead of the GEMM curve; no recomputation (its forwards are not model FLOPs)
     sc = load_scenario(None, {"device.efficiency": 0.55, "memory.recompute": "none"})

@@ -7,10 +7,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from sim.dag import build_dag, longest_path_s
-from sim.engine import DeadlockError, simulate
-from sim.ir import Schedule
-from sim.schedules import SCHEDULES, build_schedule, schedule_names
+from pipeplan.sim.dag import build_dag, longest_path_s
+from pipeplan.sim.engine import DeadlockError, simulate
+from pipeplan.sim.ir import Schedule
+from pipeplan.sim.schedules import SCHEDULES, build_schedule, schedule_names
 from tests.conftest import make_costs
 
 # every registered schedule at its usual virtual stages, read from the registry, plus interleaving at v = 3
@@ -157,7 +157,7 @@ def test_bubble_ratio_and_duration_overrides():
     sched = build_schedule("1f1b", 2, 2)
     res = simulate(sched, make_costs(2, 1, 2))
     assert res.bubble_ratio == pytest.approx(1 - (2 * 6) / (2 * 9))
-    from sim.ir import Action, Kind
+    from pipeplan.sim.ir import Action, Kind
 
     faster = simulate(sched, make_costs(2, 1, 2), durations={Action(0, Kind.B, 1): 1.0})
     assert faster.makespan_s == pytest.approx(8.0)
@@ -232,7 +232,7 @@ def test_post_validation_removes_zb_2p_start_delay():
 
 
 def test_summary_reports_rank_spans_under_post_validation():
-    from sim.trace import simulation_summary
+    from pipeplan.sim.trace import simulation_summary
 
     costs = replace(make_costs(2, 1, 2, f=1, i=1, w=1), step_tail_s=np.array([0.5, 3.0]), post_validation=True)
     summary = simulation_summary(simulate(build_schedule("1f1b", 2, 2), costs))

@@ -8,15 +8,15 @@ import json
 import numpy as np
 import pytest
 
-from sim.activations import layer_memory
-from sim.comm import Link, all_gather_s, all_reduce_s, build_links, dp_link, p2p_link, tp_link
-from sim.config import load_scenario, parse_scenario
-from sim.cost_model import bytes_per_param, device_spec, p2p_transfer_s
-from sim.costs import build_cost_table
-from sim.errors import ScenarioError
-from sim.layer_split import balanced_split, even_split
-from sim.roofline import gemm_efficiency, wave_efficiency
-from sim.step import simulate_scenario
+from pipeplan.sim.activations import layer_memory
+from pipeplan.sim.comm import Link, all_gather_s, all_reduce_s, build_links, dp_link, p2p_link, tp_link
+from pipeplan.sim.config import load_scenario, parse_scenario
+from pipeplan.sim.cost_model import bytes_per_param, device_spec, p2p_transfer_s
+from pipeplan.sim.costs import build_cost_table
+from pipeplan.sim.errors import ScenarioError
+from pipeplan.sim.layer_split import balanced_split, even_split
+from pipeplan.sim.roofline import gemm_efficiency, wave_efficiency
+from pipeplan.sim.step import simulate_scenario
 
 # GPT-3 175B as Korthikanti et al. Table 3 run it: a = 96, h = 12288, L = 96, s = 2048, t = 8, p = 8, b = 1
 GPT175 = {"architecture": "gpt", "layers": 96, "hidden": 12288, "heads": 96, "vocab": 51200, "seq_len": 2048}
@@ -333,7 +333,7 @@ def test_zb_h1_pays_for_deferred_w_and_zb_2p_for_twice_the_warm_up():
 
 
 def test_summary_says_when_the_peak_happens_and_what_is_live():
-    from sim.trace import simulation_summary
+    from pipeplan.sim.trace import simulation_summary
 
     summary = simulation_summary(simulate_scenario(load_scenario(None, {"training.optimizer_impl": "foreach"})))
     assert summary["fits"] is (not summary["oom"])

@@ -8,14 +8,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from sim.config import FreezeConfig
-from sim.engine import simulate
-from sim.ir import Action, Kind, Schedule
-from sim.schedules import build_schedule
-from solver.errors import FreezeInputError, InfeasibleError
-from solver.freeze_dag import build_freeze_dag
-from solver.freeze_lp import solve_freeze_lp
-from solver.highs import LinearProgram
+from pipeplan.sim.config import FreezeConfig
+from pipeplan.sim.engine import simulate
+from pipeplan.sim.ir import Action, Kind, Schedule
+from pipeplan.sim.schedules import build_schedule
+from pipeplan.solver.errors import FreezeInputError, InfeasibleError
+from pipeplan.solver.freeze_dag import build_freeze_dag
+from pipeplan.solver.freeze_lp import solve_freeze_lp
+from pipeplan.solver.highs import LinearProgram
 from tests.conftest import make_costs
 
 
@@ -146,7 +146,7 @@ def test_matches_brute_force_on_a_tiny_step():
 
 def test_matches_timelyfreeze_scipy_formulation():
     pytest.importorskip("scipy")
-    from analysis.bench.plan import scipy_timelyfreeze
+    from pipeplan.analysis.bench.plan import scipy_timelyfreeze
 
     for name, v in (("1f1b", 1), ("zbv", 2)):
         _, _, dag, sol = plan(name, 4, 8, v, cap=0.5, f=np.linspace(1, 2, 4 * v), p2p=0.1)

@@ -7,17 +7,17 @@ import json
 
 import numpy as np
 import pytest
+from pipeplan.scenarios import scenario_path
 
-from analysis.cli import main
-from scenarios import scenario_path
-from sim.config import load_scenario
-from sim.costs import build_cost_table
-from sim.engine import simulate
-from sim.graph import splits_backward
-from sim.memory import build_memory_plan
-from sim.step import resolve_schedule
-from solver.freeze_dag import build_freeze_dag, copy_order
-from solver.plan import plan_scenario
+from pipeplan.analysis.cli import main
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.costs import build_cost_table
+from pipeplan.sim.engine import simulate
+from pipeplan.sim.graph import splits_backward
+from pipeplan.sim.memory import build_memory_plan
+from pipeplan.sim.step import resolve_schedule
+from pipeplan.solver.freeze_dag import build_freeze_dag, copy_order
+from pipeplan.solver.plan import plan_scenario
 
 LLAMA70 = str(scenario_path("llama2-70b-48l-pp8-tp8-a100"))
 STATES_OFF = {"memory.optimizer": "dram", "memory.master_weights": "dram", "memory.gradients": "dram"}

@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from pipeplan.scenarios import scenario_path
 
-from analysis.cli import main
-from scenarios import scenario_path
-from sim.config import load_scenario
-from sim.errors import PipeplanError, ScenarioError
-from solver.errors import VerificationError
-from solver.plan import plan_scenario, sweep_caps, verify
+from pipeplan.analysis.cli import main
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.errors import PipeplanError, ScenarioError
+from pipeplan.solver.errors import VerificationError
+from pipeplan.solver.plan import plan_scenario, sweep_caps, verify
 from tests.conftest import independent_longest_path_s
 
 UNIT = str(scenario_path("explicit-unit"))

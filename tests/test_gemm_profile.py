@@ -11,10 +11,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sim.config import load_scenario
-from sim.cost_model import model_chunk_costs
-from sim.gemm_fit import curve_terms, fit_gemm_curve
-from sim.roofline import DeviceSpec, gemm_s
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.cost_model import model_chunk_costs
+from pipeplan.sim.gemm_fit import curve_terms, fit_gemm_curve
+from pipeplan.sim.roofline import DeviceSpec, gemm_s
 
 # H100-like: a compute-bound tail (big squares), wave-quantised middles and thin-K memory-bound GEMMs
 SHAPES = [(d, d, d) for d in (256, 512, 1024, 2048, 4096, 8192)] + [
@@ -89,8 +89,8 @@ def test_efficiency_is_capped_at_one():
 
 def test_profile_gemm_end_to_end_on_the_cpu(tmp_path):
     out = tmp_path / "gemm"
-    proc = subprocess.run([sys.executable, "-m", "analysis.cli", "profile", "--gemm", "--device", "cpu", "--dtype",
-                           "fp32", "--max-dim", "128", "--repeats", "3", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "pipeplan.analysis.cli", "profile", "--gemm", "--device", "cpu",
+                           "--dtype", "fp32", "--max-dim", "128", "--repeats", "3", "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "rms log error" in proc.stdout
@@ -111,6 +111,6 @@ def test_profile_gemm_end_to_end_on_the_cpu(tmp_path):
 
 
 def test_profile_gemm_rejects_bad_flags(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "analysis.cli", "profile", "--gemm", "--device", "cpu",
+    proc = subprocess.run([sys.executable, "-m", "pipeplan.analysis.cli", "profile", "--gemm", "--device", "cpu",
                            "--max-dim", "8", "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--max-dim" in proc.stderr and "Traceback" not in proc.stderr

@@ -10,18 +10,18 @@ import os
 from pathlib import Path
 
 import pytest
+from pipeplan.scenarios import scenario_path
 
-from analysis.cli import MAX_ERROR_CHARS, main
-from analysis.sweep import parse_grid, run_sweep, validate_grid
-from common.io import (
+from pipeplan.analysis.cli import MAX_ERROR_CHARS, main
+from pipeplan.analysis.sweep import parse_grid, run_sweep, validate_grid
+from pipeplan.common.io import (
     OutputPathError,
     OutputValueError,
     atomic_write_json,
     atomic_write_text,
     staged_output,
 )
-from scenarios import scenario_path
-from sim.errors import PipeplanError
+from pipeplan.sim.errors import PipeplanError
 
 UNIT = str(scenario_path("explicit-unit"))
 EIGHT_B = str(scenario_path("llama3-8b-pp4-h100"))
@@ -272,8 +272,8 @@ def test_profile_gemm_refuses_zero_sizes(flags, expected, tmp_path, capsys):
 
 @pytest.mark.parametrize("key", ["admission_cap", "stash_limit"])
 def test_schedule_csv_refuses_keys_that_shape_a_generated_order(key, tmp_path, capsys):
-    from sim.config import load_scenario
-    from sim.step import resolve_schedule
+    from pipeplan.sim.config import load_scenario
+    from pipeplan.sim.step import resolve_schedule
 
     csv = tmp_path / "order.csv"
     resolve_schedule(load_scenario(UNIT)).write_csv(csv)  # a valid order: only the key is wrong
@@ -290,8 +290,8 @@ def test_a_stash_limit_on_1f1b_is_named_as_such(tmp_path, capsys):
 def test_order_timing_is_refused_where_no_order_is_generated_for_it(tmp_path, capsys):
     """pipeline.order_timing = "costs" times chronos' list scheduler: a fixed order (1f1b) or a given one
     (--schedule-csv) has nothing to time; one line each, exit 2."""
-    from sim.config import load_scenario
-    from sim.step import resolve_schedule
+    from pipeplan.sim.config import load_scenario
+    from pipeplan.sim.step import resolve_schedule
 
     line = refused(["simulate", UNIT, "--set", "pipeline.order_timing=costs", "--out", str(tmp_path / "o")], capsys)
     assert "pipeline.order_timing: schedule '1f1b' has no cost-timed order" in line

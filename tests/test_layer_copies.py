@@ -9,16 +9,16 @@ import dataclasses
 
 import numpy as np
 import pytest
+from pipeplan.scenarios import scenario_path
 
-from analysis.cli import main
-from scenarios import scenario_path
-from sim.config import load_scenario
-from sim.costs import build_cost_table
-from sim.engine import simulate
-from sim.graph import LayerCopy, layer_copy
-from sim.ir import Action, Schedule
-from sim.memory_plan import keep_everything
-from sim.step import resolve_schedule
+from pipeplan.analysis.cli import main
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.costs import build_cost_table
+from pipeplan.sim.engine import simulate
+from pipeplan.sim.graph import LayerCopy, layer_copy
+from pipeplan.sim.ir import Action, Schedule
+from pipeplan.sim.memory_plan import keep_everything
+from pipeplan.sim.step import resolve_schedule
 
 UNIT = scenario_path("explicit-unit")
 SEVENTY = scenario_path("llama2-70b-48l-pp8-tp8-a100")
@@ -105,7 +105,7 @@ def test_layer_copies_never_slow_the_shipped_step():
             "memory.offload_activations": 0.5, "memory.offload_stash": 0.5}
     runs = {}
     for granularity in ("chunk", "layer"):
-        from sim.memory import build_memory_plan
+        from pipeplan.sim.memory import build_memory_plan
 
         sc = load_scenario(SEVENTY, {**over, "memory.copy_granularity": granularity})
         costs, sched = build_cost_table(sc), resolve_schedule(sc)
@@ -123,7 +123,7 @@ def test_planner_prices_layer_copies():
     W stashes. With layer-wise copies its rows (module docstring of solver.memory_milp) predict the simulated
     step within 2%, and its plan is faster than the whole-chunk plan, whether that one's choice runs with
     whole-chunk copies or layer by layer."""
-    from solver.memory_milp import plan_from_choice, plan_memory
+    from pipeplan.solver.memory_milp import plan_from_choice, plan_memory
 
     over = {"pipeline.stages": 4, "pipeline.microbatches": 8, "model.layers": 16, "pipeline.schedule": "zbv",
             "pipeline.virtual_stages": 2, "memory.prefetch_lookahead": 1, "memory.plan": True,
@@ -141,7 +141,7 @@ def test_planner_prices_layer_copies():
     for p in (chunk, layer):
         assert p.simulated.makespan_s == pytest.approx(p.predicted_makespan_s, rel=0.02)
         assert p.simulated.peak_hbm_bytes.max() <= p.plan.hbm_limit_bytes * (1 + 1e-9)
-    from sim.memory import keep_everything, with_states
+    from pipeplan.sim.memory import keep_everything, with_states
 
     base = with_states(sc["layer"], costs, keep_everything(costs))
     chunk_choice_by_layer = simulate(sched, costs, memory=plan_from_choice(sc["layer"], costs, sched, base,
@@ -160,8 +160,8 @@ def test_freeze_planner_refuses_layer_copies_in_one_line(capsys, tmp_path):
 def test_the_runtime_runs_layer_copies_with_its_one_copy_mechanism():
     """The runtime's copies move tensor by tensor either way (docs/runtime.md, "Copy granularity"): a layer-wise
     plan runs with the same per-chunk shares as the whole-chunk one (the e2e run: tests/test_runtime_cli.py)."""
-    from runtime.memory import run_memory
-    from sim.step import resolve_schedule
+    from pipeplan.runtime.memory import run_memory
+    from pipeplan.sim.step import resolve_schedule
 
     keys = {"pipeline.schedule": "zbv", "pipeline.virtual_stages": 2, "memory.offload_activations": 0.5,
             "memory.offload_stash": 0.5}

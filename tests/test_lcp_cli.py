@@ -7,9 +7,9 @@ import pandas as pd
 import pytest
 import torch
 
-from analysis.cli import main
-from lcp import LCPIndex
-from lcp.bench import COLUMNS
+from pipeplan.analysis.cli import main
+from pipeplan.lcp import LCPIndex
+from pipeplan.lcp.bench import COLUMNS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -142,9 +142,9 @@ def test_bad_flags_are_refused_in_one_line(tmp_path, capsys, argv, message):
 
 
 def test_paper_preset_refuses_what_does_not_fit_or_runs_reduced(tmp_path, capsys, monkeypatch):
-    import lcp.limits
+    import pipeplan.lcp.limits
 
-    monkeypatch.setattr(lcp.limits, "available_bytes", lambda: 8 << 30)  # an 8 GiB machine
+    monkeypatch.setattr(pipeplan.lcp.limits, "available_bytes", lambda: 8 << 30)  # an 8 GiB machine
     assert main(["lcp", "bench", "--preset", "paper", "--out", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err
     assert "--n 20000000 × --length 256 (uint16)" in err and err.count("\n") == 1
@@ -160,7 +160,7 @@ def test_bench_threads_reach_numba(tmp_path):
     """--threads sizes numba's pool as well as torch's, and meta.json records what numba took."""
     import json
 
-    from lcp.engine import kernel
+    from pipeplan.lcp.engine import kernel
 
     out = tmp_path / "bench"
     argv = ["lcp", "bench", "--n", "300", "--length", "8", "--batch", "16", "--methods", "index",
@@ -183,7 +183,7 @@ def test_bench_reuse_out_times_the_index_into_one_result(tmp_path, monkeypatch):
     the answers still pass the check against the scan, and meta.json records the flag."""
     import json
 
-    from lcp.index import LCPIndex
+    from pipeplan.lcp.index import LCPIndex
 
     seen = []
     real = LCPIndex.topk

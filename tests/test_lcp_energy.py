@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lcp.energy import _rapl_meter
+from pipeplan.lcp.energy import _rapl_meter
 
 
 def _domain(root, name, energy_uj, max_uj=10_000):

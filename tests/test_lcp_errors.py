@@ -9,11 +9,11 @@ import struct
 import pytest
 import torch
 
-from lcp import LCPError, LCPIndex
-from lcp.baselines import FullScan, Pairwise
-from lcp.fileformat import MAGIC, write_index_file
-from lcp.inputs import load_rows
-from lcp.trie import Trie
+from pipeplan.lcp import LCPError, LCPIndex
+from pipeplan.lcp.baselines import FullScan, Pairwise
+from pipeplan.lcp.fileformat import MAGIC, write_index_file
+from pipeplan.lcp.inputs import load_rows
+from pipeplan.lcp.trie import Trie
 
 ROWS = torch.tensor([[1, 2, 3], [1, 2, 4], [9, 9, 9]], dtype=torch.uint8)
 

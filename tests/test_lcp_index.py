@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lcp import LCPIndex, engine
-from lcp.baselines import FullScan, Pairwise
-from lcp.engine import kernel
-from lcp.trie import Trie
+from pipeplan.lcp import LCPIndex, engine
+from pipeplan.lcp.baselines import FullScan, Pairwise
+from pipeplan.lcp.engine import kernel
+from pipeplan.lcp.trie import Trie
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
@@ -250,10 +250,10 @@ def test_cuda_matches_cpu():
 
 def test_without_numba_the_torch_engine_answers(monkeypatch):
     """numba is optional: without it an index answers through torch, and asking for numba says why."""
-    import lcp.engine
-    from lcp import LCPError
+    import pipeplan.lcp.engine
+    from pipeplan.lcp import LCPError
 
-    monkeypatch.setattr(lcp.engine, "kernel", lambda: None)
+    monkeypatch.setattr(pipeplan.lcp.engine, "kernel", lambda: None)
     g = torch.Generator().manual_seed(8)
     rows, lengths, queries, qls = random_case(g, 300, 6, 3, batch=10)
     index = LCPIndex.build(rows)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from lcp import LCPError, LCPIndex
-from lcp.engine import kernel
-from lcp.tokens import prepare_queries, token_format
+from pipeplan.lcp import LCPError, LCPIndex
+from pipeplan.lcp.engine import kernel
+from pipeplan.lcp.tokens import prepare_queries, token_format
 from tests.test_lcp_index import DTYPES, build, random_case, torch_brute_force
 
 pytestmark = [
@@ -131,7 +131,7 @@ def test_every_dtype_mid_size_variable_lengths(dtype):
 
 def test_engines_agree_on_random_bytes():
     """The two engines on 50,000 random byte rows (the bench's data): the same answers at every k."""
-    from lcp.bench import make_data
+    from pipeplan.lcp.bench import make_data
 
     rows, queries = make_data(50_000, 32, 300, 0)
     fast, slow = build(rows, engine="numba"), build(rows, engine="torch")
@@ -146,7 +146,7 @@ def test_ranges_from_the_bucket_table():
     ~15,000 rows: d* = 1, 2 and deeper, through the direct read and the tree), 3,000 rows sharing their
     first 8 tokens (a crowded bucket: the binary search of the first word and the gallop over its run)
     among them 40 identical rows, and queries whose first token no row has (d* = 0) or that repeat."""
-    from lcp.engine import table_tokens
+    from pipeplan.lcp.engine import table_tokens
 
     n = (1 << 19) + 5
     g = torch.Generator().manual_seed(7)
@@ -175,7 +175,7 @@ def test_depth_below_the_table_read_off_it(n):
     only. Random byte rows (table_tokens 1 at N = 5,000, 2 at 2^19 + 3), k from below |S_tt| to above
     |S_1| (d* = table_tokens - 1 down to 0), queries cut to 0, 1 or 2 tokens (shorter than the table's
     depth: S_d is empty for d beyond the query) and queries equal to rows; against the torch engine."""
-    from lcp.engine import table_tokens
+    from pipeplan.lcp.engine import table_tokens
 
     g = torch.Generator().manual_seed(n)
     rows = torch.randint(0, 256, (n, 32), dtype=torch.uint8, generator=g)
@@ -198,7 +198,7 @@ def test_depth_below_the_table_read_off_it(n):
 def test_group_heads_are_each_groups_smallest_ids():
     """engine.group_heads against a sort of each group's ids: groups of 0, 1, fewer than HEADS, between
     HEADS and HEAD_SPAN and beyond HEAD_SPAN rows (left unfilled: the kernel selects there)."""
-    from lcp.engine import HEAD_MIN_ROWS, HEAD_SPAN, HEADS, group_heads
+    from pipeplan.lcp.engine import HEAD_MIN_ROWS, HEAD_SPAN, HEADS, group_heads
 
     g = np.random.default_rng(5)
     sizes = np.concatenate([[0, 1, 5, HEADS, HEADS + 1, HEAD_SPAN, HEAD_SPAN + 1], g.integers(64, 120, 249)])
@@ -228,8 +228,8 @@ def test_head_span_is_one_value():
     """HEAD_SPAN is written twice (lcp/engine.py builds the heads, lcp/kernel.py reads them; the kernel
     cannot import the engine, and a global from another module would outlive numba's on-disk cache):
     the two agree, and every offset within a group of HEAD_SPAN rows fits the heads' uint8."""
-    from lcp import engine
-    from lcp import kernel as module
+    from pipeplan.lcp import engine
+    from pipeplan.lcp import kernel as module
 
     assert module.HEAD_SPAN == engine.HEAD_SPAN == np.iinfo(np.uint8).max + 1
 
@@ -239,7 +239,7 @@ def test_ties_from_the_group_heads():
     and answer every k <= HEADS whose d* is 1, read as k gathers; a group of 700 rows (beyond
     HEAD_SPAN: selected instead), one of 5 rows (fewer than k for k > 5: d* = 0) and duplicate rows.
     Against brute force, and the same index with the heads removed."""
-    from lcp.engine import HEADS
+    from pipeplan.lcp.engine import HEADS
 
     g = torch.Generator().manual_seed(11)
     rows = torch.randint(0, 256, (20_000, 32), dtype=torch.uint8, generator=g)
@@ -264,8 +264,8 @@ def test_wide_heads_are_each_first_tokens_smallest_ids():
     """engine.wide_heads against a sort of each first token's ids: groups of 0, 1, 5, WIDE − 1, WIDE,
     WIDE + 1 and ~3,000 rows; -1 past a smaller group; the ids' dtype; not built below WIDE_MIN_ROWS rows a
     group on average, and at that edge at most a quarter byte per row (int32 ids)."""
-    from lcp import kernel as module
-    from lcp.engine import WIDE, WIDE_MIN_ROWS, wide_heads
+    from pipeplan.lcp import kernel as module
+    from pipeplan.lcp.engine import WIDE, WIDE_MIN_ROWS, wide_heads
 
     room = 1 << 40  # bytes: no budget limit
 
@@ -300,8 +300,8 @@ def test_ties_from_the_wide_heads(monkeypatch):
     ids from the heads, less S_2's, which are sorted by the 16- to 128-lane networks (groups of 12, 40, 100
     and 128 rows sharing two bytes) or the radix sort (200). Against brute force and the same index with
     the heads removed (the tree's merge)."""
-    from lcp import engine
-    from lcp.engine import WIDE
+    from pipeplan.lcp import engine
+    from pipeplan.lcp.engine import WIDE
 
     monkeypatch.setattr(engine, "WIDE_MIN_ROWS", 1)
     monkeypatch.setattr(engine, "ROW_BUDGET", 100)  # 1 MiB of heads over 20,000 rows: 52 bytes a row
@@ -330,7 +330,7 @@ def test_ties_from_the_wide_heads(monkeypatch):
 
 def test_visiting_order():
     """engine.visiting_order: a permutation of the batch, non-decreasing in the first word's high bits."""
-    from lcp.engine import visiting_order
+    from pipeplan.lcp.engine import visiting_order
 
     for b in (0, 1, 2, 7, 4096):
         words = np.random.default_rng(b).integers(-(2**63), 2**63 - 1, b, dtype=np.int64)
@@ -368,7 +368,7 @@ def test_sorting_network(lanes):
     extremes, duplicates, sorted, reversed and padded sets (what the kernel passes: ids, then INT32_MAX)."""
     import numba
 
-    from lcp.sortnet import INT32_MAX, sort16, sort32, sort64, sort128
+    from pipeplan.lcp.sortnet import INT32_MAX, sort16, sort32, sort64, sort128
 
     net = {16: sort16, 32: sort32, 64: sort64, 128: sort128}[lanes]
 
@@ -431,7 +431,7 @@ def test_long_rows_written_in_blocks(direct_cap):
     directly or from the tree: direct_cap 0) for d* = 1 — and by streaming stores where B · k >= STREAM.
     Skipped ids at a row's start, in runs, near its k-th id and beyond it. Against brute force, for
     k = BLOCKS − 1 (a merge step per value), BLOCKS and 1,000, at 64 queries and at 640 (streamed)."""
-    from lcp.kernel import BLOCKS, STREAM
+    from pipeplan.lcp.kernel import BLOCKS, STREAM
 
     g = torch.Generator().manual_seed(128)
     n = 12_000
@@ -465,7 +465,7 @@ def test_long_rows_written_in_blocks(direct_cap):
 def test_streamed_rows_pad_past_n():
     """k > N with N >= BLOCKS and B · k >= STREAM: the blocks and the padding (lcp and id −1 past N) are written
     by streaming stores; the answer equals brute force (N = 300 rows, k = 1,000, 600 queries)."""
-    from lcp.kernel import BLOCKS, STREAM
+    from pipeplan.lcp.kernel import BLOCKS, STREAM
 
     g = torch.Generator().manual_seed(5)
     n, k, b = 300, 1000, 600
@@ -493,7 +493,7 @@ def test_uncacheable_kernel_still_compiles(monkeypatch):
     """A read-only install where numba finds no cache directory: the kernel compiles in memory instead."""
     import numba
 
-    from lcp import kernel as module
+    from pipeplan.lcp import kernel as module
 
     real = numba.njit
 

@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from lcp import LCPError, LCPIndex, LCPTopK
+from pipeplan.lcp import LCPError, LCPIndex, LCPTopK
 from tests.test_lcp_index import ENGINES, build
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -9,9 +9,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lcp import LCPTopK
-from lcp.bytes_baselines import MarisaTrie, NumpySorted
-from lcp.smallest import BLOCK, SmallestIds, smallest_by_sort, smallest_direct
+from pipeplan.lcp import LCPTopK
+from pipeplan.lcp.bytes_baselines import MarisaTrie, NumpySorted
+from pipeplan.lcp.smallest import BLOCK, SmallestIds, smallest_by_sort, smallest_direct
 from tests.test_lcp_index import DTYPES, ENGINES, build, torch_brute_force
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

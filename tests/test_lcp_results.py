@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from lcp import results
-from lcp.engine import kernel
+from pipeplan.lcp import results
+from pipeplan.lcp.engine import kernel
 from tests.test_lcp_index import build, torch_brute_force
 
 MIB = 1 << 20

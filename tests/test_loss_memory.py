@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import pytest
+from pipeplan.scenarios import SCENARIO_DIR
 
-from scenarios import SCENARIO_DIR
-from sim.config import load_scenario
-from sim.overheads import loss_transient_bytes
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.overheads import loss_transient_bytes
 
 TT70B = SCENARIO_DIR / "validation" / "torchtitan-llama3.1-70b-fsdp32-tp8.toml"
 LOGITS_PER_RANK = 16 * 8192 * 128256 / 8  # micro batch 16 x 8,192 tokens, vocabulary over TP 8
@@ -28,9 +28,9 @@ def test_torch_cross_entropy_holds_12_bytes_per_logit_and_16_under_loss_parallel
 def test_the_last_chunk_holds_the_larger_of_the_loss_and_a_recomputed_layer_not_both():
     """Autograd runs the loss and LM-head backward, frees their buffers, then reaches the last checkpointed
     layer: under full recomputation the last chunk's B holds max(loss, one layer's activations)."""
-    from sim.costs import build_cost_table
-    from sim.memory import build_memory_plan
-    from sim.step import resolve_schedule
+    from pipeplan.sim.costs import build_cost_table
+    from pipeplan.sim.memory import build_memory_plan
+    from pipeplan.sim.step import resolve_schedule
 
     sc = _sc()  # full recomputation, torch's loss under loss_parallel
     costs = build_cost_table(sc)
@@ -49,7 +49,7 @@ def test_the_last_chunk_holds_the_larger_of_the_loss_and_a_recomputed_layer_not_
 def test_a_split_backward_keeps_the_lm_heads_input_and_logit_gradient_for_w():
     """The last chunk's W stash adds the LM head's input (e·sbh/SP) and the logits' gradient (e·sbV/t) to its
     layers' (pipeplan's own runtime measured them: tests/test_runtime_cli.py)."""
-    from sim.costs import build_cost_table
+    from pipeplan.sim.costs import build_cost_table
 
     sc = load_scenario(SCENARIO_DIR / "tiny-cpu.toml", {"pipeline.layers_per_stage": "even"})
     d = build_cost_table(sc).detail

@@ -7,13 +7,13 @@ import math
 
 import numpy as np
 import pytest
+from pipeplan.scenarios import scenario_path
 
-from scenarios import scenario_path
-from sim.config import load_scenario
-from sim.costs import build_cost_table
-from sim.engine import simulate
-from sim.memory import build_memory_plan
-from sim.step import resolve_schedule
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.costs import build_cost_table
+from pipeplan.sim.engine import simulate
+from pipeplan.sim.memory import build_memory_plan
+from pipeplan.sim.step import resolve_schedule
 
 SEVENTY = scenario_path("llama2-70b-48l-pp8-tp8-a100")
 UNIT = scenario_path("explicit-unit")
@@ -76,7 +76,7 @@ def test_selective_lies_between_none_and_full():
 
 
 def test_selective_needs_a_model():
-    from sim.errors import ScenarioError
+    from pipeplan.sim.errors import ScenarioError
 
     with pytest.raises(ScenarioError, match=r"memory\.recompute: 'selective' needs a \[model\]"):
         step(UNIT, memory__recompute="selective")
@@ -134,7 +134,7 @@ def test_optimizer_offload_frees_twelve_bytes_per_parameter():
 
 
 def test_master_weights_must_follow_a_host_optimizer():
-    from sim.errors import ScenarioError
+    from pipeplan.sim.errors import ScenarioError
 
     with pytest.raises(ScenarioError, match=r"memory\.master_weights"):
         step(SEVENTY, memory__optimizer="dram", memory__master_weights="hbm")
@@ -148,7 +148,7 @@ def test_master_weights_left_unset_follow_the_optimizer():
 def test_memory_planner_fits_where_plain_1f1b_does_not_and_beats_full_recomputation():
     # (that the plan fits and its simulation agrees with the MILP, plan_memory checks itself; here the numbers
     # it is compared with come from the engine under other policies)
-    from solver.memory_milp import plan_memory
+    from pipeplan.solver.memory_milp import plan_memory
 
     sc = load_scenario(SEVENTY, {"model.layers": 64})
     costs, sched = build_cost_table(sc), resolve_schedule(sc)
@@ -163,8 +163,8 @@ def every_plan(sc):
     """Brute force over the MILP's choices: every (recomputed whole, op-level, DRAM, NVMe) layer count per chunk
     and states on host or not per rank, each run in the engine: (makespan, peak HBM, any op-level layer) per
     plan."""
-    from sim.memory import keep_everything, with_states
-    from solver.memory_milp import MemoryChoice, plan_from_choice
+    from pipeplan.sim.memory import keep_everything, with_states
+    from pipeplan.solver.memory_milp import MemoryChoice, plan_from_choice
 
     costs, sched = build_cost_table(sc), resolve_schedule(sc)
     base = with_states(sc, costs, keep_everything(costs))
@@ -189,7 +189,7 @@ def test_memory_milp_finds_the_brute_force_optimum(tightness, buffers):
     peak, the MILP's plan is as fast as the fastest plan that fits (within its 1% MIP gap). With torch
     pipelining's receive buffers (static) and input gradients (held from each backward to the step's end) the
     MILP's HBM rows must count them as the engine does, or its plan would not be the engine's optimum."""
-    from solver.memory_milp import plan_memory
+    from pipeplan.solver.memory_milp import plan_memory
 
     small = {"pipeline.stages": 2, "pipeline.microbatches": 4, "model.layers": 4, "pipeline.p2p_buffers": buffers}
     sc = load_scenario(SEVENTY, small)
@@ -208,7 +208,7 @@ def test_memory_milp_finds_the_brute_force_optimum(tightness, buffers):
 
 
 def test_memory_planner_reports_the_smallest_hbm_when_nothing_fits():
-    from solver.memory_milp import MemoryInfeasibleError, plan_memory
+    from pipeplan.solver.memory_milp import MemoryInfeasibleError, plan_memory
 
     sc = load_scenario(SEVENTY, {"model.layers": 64, "device.hbm_gib": 8.0})
     costs, sched = build_cost_table(sc), resolve_schedule(sc)
@@ -221,7 +221,7 @@ def test_memory_planner_reports_the_smallest_hbm_when_nothing_fits():
     roomy_step = plan_memory(roomier, roomy_costs, roomy_sched).simulated
     assert roomy_step.oom is False
     # the LP relaxation's bound: None where no plan fits, never above the simulated step of a plan that does
-    from solver.memory_milp import makespan_lower_bound
+    from pipeplan.solver.memory_milp import makespan_lower_bound
     assert makespan_lower_bound(sc, costs, sched) is None
     assert 0 < makespan_lower_bound(roomier, roomy_costs, roomy_sched) <= roomy_step.makespan_s
     # a search that only asks whether a plan fits skips the second MILP: the same error, without the size
@@ -239,8 +239,8 @@ def test_memory_planner_counts_the_optimizer_step_the_scenario_already_places(st
     """States the scenario itself keeps off HBM make every plan pay the optimizer step's copies (and a host
     Adam): the MILP's makespan includes them, so its plan agrees with the engine (plan_memory raises if not),
     and it never 'moves' states that are already on the host."""
-    from sim.memory import keep_everything, with_states
-    from solver.memory_milp import plan_memory
+    from pipeplan.sim.memory import keep_everything, with_states
+    from pipeplan.solver.memory_milp import plan_memory
 
     sc = load_scenario(scenario_path("llama3-8b-pp4-h100"), {**states, "pipeline.microbatches": 8})
     costs, sched = build_cost_table(sc), resolve_schedule(sc)

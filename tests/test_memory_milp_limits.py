@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pipeplan.scenarios import scenario_path
 
-import solver.memory_milp as memory_milp
-from scenarios import scenario_path
-from sim.config import load_scenario
-from sim.costs import build_cost_table
-from sim.memory import keep_everything, with_states
-from sim.step import resolve_schedule
-from solver.errors import SolverTimeoutError
-from solver.highs import LinearProgram
+import pipeplan.solver.memory_milp as memory_milp
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.costs import build_cost_table
+from pipeplan.sim.memory import keep_everything, with_states
+from pipeplan.sim.step import resolve_schedule
+from pipeplan.solver.errors import SolverTimeoutError
+from pipeplan.solver.highs import LinearProgram
 
 SEVENTY = scenario_path("llama2-70b-48l-pp8-tp8-a100")
 

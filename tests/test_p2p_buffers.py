@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pipeplan.scenarios import scenario_path
 
-from analysis.cli import main
-from scenarios import scenario_path
-from sim.config import load_scenario
-from sim.costs import build_cost_table
-from sim.engine import simulate
-from sim.errors import ScenarioError
-from sim.memory import build_memory_plan
-from sim.step import resolve_schedule
+from pipeplan.analysis.cli import main
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.costs import build_cost_table
+from pipeplan.sim.engine import simulate
+from pipeplan.sim.errors import ScenarioError
+from pipeplan.sim.memory import build_memory_plan
+from pipeplan.sim.step import resolve_schedule
 
 EIGHT_B = scenario_path("llama3-8b-pp4-h100")
 # 4 stages of 2 layers, m = 6, TP 2 with sequence parallelism: B = 2 bytes x 1 x 8192 x 4096 / 2

@@ -11,10 +11,10 @@ import textwrap
 import numpy as np
 import pandas as pd
 import pytest
+from pipeplan.scenarios import scenario_path
 
-from analysis.cli import COMMANDS, main
-from scenarios import scenario_path
-from sim.config import load_scenario
+from pipeplan.analysis.cli import COMMANDS, main
+from pipeplan.sim.config import load_scenario
 
 UNIT = str(scenario_path("explicit-unit"))
 
@@ -123,7 +123,7 @@ def test_sweep_per_gpu_columns_invalid_reasons_and_report(tmp_path, capsys):
 ])
 def test_step_is_shown_apart_only_where_it_prints_differently(step, makespan, spec, shown_apart):
     """One rule for `simulate`, `show` and the report's lead (analysis.console.step_differs)."""
-    from analysis.console import step_differs
+    from pipeplan.analysis.console import step_differs
 
     summary = {"makespan_s": makespan} | ({} if step is None else {"step_time_s": step})
     assert step_differs(summary, spec) is shown_apart
@@ -185,7 +185,7 @@ def test_shipped_scenario_by_name_equals_its_path(tmp_path):
 
 
 def test_scenarios_lists_every_shipped_one(capsys):
-    from scenarios import scenario_names
+    from pipeplan.scenarios import scenario_names
 
     assert main(["scenarios"]) == 0
     text = capsys.readouterr().out
@@ -195,7 +195,7 @@ def test_scenarios_lists_every_shipped_one(capsys):
 def test_titles_say_when_the_device_is_not_the_preset_itself():
     """tiny-cpu's [device] (4 GiB, 0.1 TFLOP/s: a CPU core) starts from the H100 preset; a title that said
     "4 x H100-SXM-80GB" above a 4 GiB capacity line would mislead."""
-    from analysis.outputs import scenario_title
+    from pipeplan.analysis.outputs import scenario_title
 
     assert scenario_title(load_scenario("tiny-cpu")) == "tiny on 4 x custom device (from H100-SXM-80GB)"
     assert scenario_title(load_scenario("llama3-8b-pp4-h100")) == "llama3-8b on 4 x H100-SXM-80GB"
@@ -204,7 +204,7 @@ def test_titles_say_when_the_device_is_not_the_preset_itself():
 
 def test_scenario_description_is_the_whole_first_sentence(monkeypatch, tmp_path):
     """A description wrapping over comment lines is read to its full stop, not cut at the first line's end."""
-    import scenarios
+    from pipeplan import scenarios
 
     (tmp_path / "wrapped.toml").write_text("# A model on a CPU: wide layers, so that the linear\n"
                                            "# layers' W work (arXiv 2503.03182) is a real share. Two ranks.\n"
@@ -224,7 +224,7 @@ def test_init_template_simulates_as_written(tmp_path, flags):
 
 
 def test_show_resolves_costs_and_memory(tmp_path, capsys):
-    from sim.costs import build_cost_table
+    from pipeplan.sim.costs import build_cost_table
 
     sets = ["--set", "pipeline.schedule=zbv", "--set", "memory.recompute=none"]
     assert main(["show", "llama3-8b-pp4-h100", *sets]) == 0
@@ -252,7 +252,7 @@ def test_version_and_an_example_in_every_help(capsys):
 TORCH_FREE = """
 import sys
 from pathlib import Path
-from analysis.cli import main
+from pipeplan.analysis.cli import main
 out = Path(sys.argv[1])
 runs = [
     ["simulate", "explicit-unit", "--out", str(out / "sim")],
@@ -265,7 +265,7 @@ runs = [
     ["init", str(out / "t.toml")],
     ["show", "tiny-cpu"],
 ]
-if "validate" in __import__("analysis.cli").cli.COMMANDS:
+if "validate" in __import__("pipeplan.analysis.cli").analysis.cli.COMMANDS:
     runs.append(["validate", "--help"])  # its module and flags (its run belongs to its own tests)
 for argv in runs:
     try:
@@ -292,7 +292,7 @@ def test_torch_commands_name_the_extra_when_torch_is_missing(argv, tmp_path):
     code = textwrap.dedent(f"""
         import sys
         sys.modules["torch"] = None  # as if torch were not installed
-        from analysis.cli import main
+        from pipeplan.analysis.cli import main
         sys.exit(main({[*argv, "--out", str(out)]!r}))
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -308,19 +308,19 @@ def test_torch_commands_print_help_without_torch(command):
     code = textwrap.dedent(f"""
         import sys
         sys.modules["torch"] = None  # as if torch were not installed
-        from analysis.cli import main
+        from pipeplan.analysis.cli import main
         try:
             main([{command!r}, "--help"])
         except SystemExit as exc:
             print("EXIT", exc.code)
         print("LOADED", *sorted(m for m, mod in sys.modules.items()
-                                if mod is not None and m.split(".")[0] in ("runtime", "torch")))
+                                if mod is not None and m.split(".")[0] == "torch" or m.startswith("pipeplan.runtime")))
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     lines = proc.stdout.splitlines()
     assert f"usage: pipeplan {command}" in proc.stdout and "examples:" in proc.stdout, proc.stderr[-2000:]
     assert "EXIT 0" in lines
-    assert [ln for ln in lines if ln.startswith("LOADED")] == ["LOADED runtime runtime.config"]
+    assert [ln for ln in lines if ln.startswith("LOADED")] == ["LOADED pipeplan.runtime pipeplan.runtime.config"]
 
 
 @pytest.mark.parametrize("scenario,tiny", [("explicit-unit", "costs.hbm_gib=1e-9"),

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pipeplan.scenarios import scenario_path
 
-from scenarios import scenario_path
-from sim.activations import DTYPE_BYTES
-from sim.config import load_scenario
-from sim.cost_model import device_spec
-from sim.costs import build_cost_table
-from sim.engine import simulate
-from sim.errors import ScenarioError
-from sim.layer_ops import norms_forward_bytes
-from sim.memory import build_memory_plan
-from sim.step import resolve_schedule
-from solver.step import resolve_memory_plan
+from pipeplan.sim.activations import DTYPE_BYTES
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.cost_model import device_spec
+from pipeplan.sim.costs import build_cost_table
+from pipeplan.sim.engine import simulate
+from pipeplan.sim.errors import ScenarioError
+from pipeplan.sim.layer_ops import norms_forward_bytes
+from pipeplan.sim.memory import build_memory_plan
+from pipeplan.sim.step import resolve_schedule
+from pipeplan.solver.step import resolve_memory_plan
 
 SEVENTY = scenario_path("llama2-70b-48l-pp8-tp8-a100")
 NORMS = {"memory.recompute_norms": True}

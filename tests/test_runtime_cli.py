@@ -11,10 +11,10 @@ import time
 import pandas as pd
 import pytest
 
-from analysis.cli import main
-from sim.config import load_scenario
-from sim.ir import Schedule
-from sim.step import simulate_scenario
+from pipeplan.analysis.cli import main
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.ir import Schedule
+from pipeplan.sim.step import simulate_scenario
 
 TINY = """
 [pipeline]
@@ -47,7 +47,7 @@ def scenario(tmp_path_factory):
 
 
 def pipeplan(*argv: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "analysis.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pipeplan.analysis.cli", *argv], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -155,11 +155,11 @@ def test_a_failing_rank_stops_every_rank_with_its_error(scenario, tmp_path):
     (["run", "--freeze", "uniform", "--cap", "1.5"], "--cap"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_launching(argv, expected, capsys, tmp_path, monkeypatch):
-    import runtime.launch
+    import pipeplan.runtime.launch
 
-    monkeypatch.setattr(runtime.launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(pipeplan.runtime.launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
     if expected is None:  # accepted (explicit-unit has 4 chunks, like tiny-cpu); stop before the launch
-        monkeypatch.setattr("analysis.commands.run.launch", lambda *a, **k: 0)
+        monkeypatch.setattr("pipeplan.analysis.commands.run.launch", lambda *a, **k: 0)
         assert main([*argv, "--out", str(tmp_path / "x")]) == 0
         return
     assert main([*argv, "--out", str(tmp_path / "x")]) == 2
@@ -206,17 +206,17 @@ def test_help_names_the_runtimes_default_scenario(command, capsys):
 def test_a_model_too_big_for_this_cpu_is_refused_before_launching(capsys, tmp_path, monkeypatch):
     """LLaMA-3 8B's 4 ranks need 8e9 x 16 bytes of fp32 weights, gradients and Adam state: with 64 GiB free
     the run is refused in one line instead of being OOM-killed minutes later; tiny-cpu is not refused."""
-    import runtime.launch
+    import pipeplan.runtime.launch
 
-    monkeypatch.setattr(runtime.launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
-    monkeypatch.setattr("analysis.commands.run.host_memory_available", lambda: 64 * 2**30)
+    monkeypatch.setattr(pipeplan.runtime.launch.subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr("pipeplan.analysis.commands.run.host_memory_available", lambda: 64 * 2**30)
     assert main(["run", "llama3-8b-pp4-h100", "--device", "cpu", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "llama3-8b on the CPU" in err[0] and "64.0 GiB is free" in err[0]
     need = float(err[0].split("at least ")[1].split(" GiB")[0])
     assert 8.0e9 * 16 / 2**30 * 0.95 < need < 8.1e9 * 16 / 2**30  # 16 bytes per parameter of LLaMA-3 8B
     assert not (tmp_path / "x").exists()
-    monkeypatch.setattr("analysis.commands.run.launch", lambda *a, **k: 0)
+    monkeypatch.setattr("pipeplan.analysis.commands.run.launch", lambda *a, **k: 0)
     assert main(["run", "tiny-cpu", "--device", "cpu", "--out", str(tmp_path / "y")]) == 0
 
 
@@ -225,7 +225,7 @@ def test_a_model_too_big_for_this_cpu_is_refused_before_launching(capsys, tmp_pa
 def test_run_summary_hints_at_profile_when_the_scenarios_costs_miss(costs, error, hint, capsys):
     """`pipeplan run` on tiny-cpu measured 523 ms against 116 ms predicted from the scenario's [device]: the
     console says how to predict with this machine's costs; a profiled prediction gets no such hint."""
-    from analysis.commands.run import print_run_summary
+    from pipeplan.analysis.commands.run import print_run_summary
 
     print_run_summary({"schedule": "1f1b", "stages": 4, "microbatches": 8, "virtual_stages": 1, "device": "cpu",
                        "final_loss": 3.7588, "step_time_s": 0.5286, "tokens_per_s": 1937.0,

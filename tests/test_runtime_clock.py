@@ -9,10 +9,10 @@ import json
 import pandas as pd
 import pytest
 
-from runtime.clock import ClockFit, OffsetSample, best_sample, ntp_offset, step_origins
-from runtime.config import RunConfig
-from runtime.launch import spawn
-from sim.ir import Schedule
+from pipeplan.runtime.clock import ClockFit, OffsetSample, best_sample, ntp_offset, step_origins
+from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.launch import spawn
+from pipeplan.sim.ir import Schedule
 
 SKEW_S = 5.0
 
@@ -48,8 +48,8 @@ TINY2 = {"model.hidden": 32, "model.layers": 4, "model.ffn_hidden": 64, "model.s
 def _job(rank: int, world: int, out: str) -> str:
     import torch
 
-    from runtime.worker import check_inputs_everywhere, run_job
-    from sim.errors import PipeplanError
+    from pipeplan.runtime.worker import check_inputs_everywhere, run_job
+    from pipeplan.sim.errors import PipeplanError
 
     # rank 1 stands for a node that lacks the data file: every rank learns it, before any work
     missing = RunConfig(overrides=TINY2, data="/no/such/corpus.txt" if rank == 1 else "synthetic")

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.executor import PipelineExecutor
-from runtime.launch import spawn
-from runtime.memory import apply_policy
-from runtime.p2p import P2P
-from runtime.reference import reference_losses
-from runtime.stages import build_model
-from sim.schedules import build_schedule
+from pipeplan.runtime.executor import PipelineExecutor
+from pipeplan.runtime.launch import spawn
+from pipeplan.runtime.memory import apply_policy
+from pipeplan.runtime.p2p import P2P
+from pipeplan.runtime.reference import reference_losses
+from pipeplan.runtime.stages import build_model
+from pipeplan.sim.schedules import build_schedule
 from tests.test_runtime_dist import config, losses_by_step, runnable_schedules
 from tests.test_runtime_model import ARGS, batches, reference_grads
 
@@ -43,7 +43,7 @@ def test_cuda_executor_matches_cpu_training(policy, offload):
 
 
 def _nccl_job(rank: int, world: int, cfgs) -> list:
-    from runtime.train import Trainer
+    from pipeplan.runtime.train import Trainer
 
     return [Trainer(cfg, rank, world, torch.device("cuda", rank)).train() for cfg in cfgs]
 
@@ -58,7 +58,7 @@ def test_nccl_pipeline_matches_single_process_training():
 
 
 def _shared_gpu_job(rank: int, world: int, cfgs) -> list:
-    from runtime.train import Trainer
+    from pipeplan.runtime.train import Trainer
 
     return [Trainer(cfg, rank, world, torch.device("cuda", 0)).train() for cfg in cfgs]
 
@@ -74,7 +74,7 @@ def test_ranks_sharing_one_gpu_match_single_process_training():
 
 
 def _bf16_job(rank: int, world: int, device_of) -> dict:
-    from runtime.train import Trainer
+    from pipeplan.runtime.train import Trainer
 
     dev = device_of(rank)
     return {name: Trainer(config(name, v, "bf16", device="cuda"), rank, world, dev).train()
@@ -99,7 +99,7 @@ def test_every_schedule_in_bf16_on_the_gpu_matches_the_bf16_reference():
 
 
 def _resume_job(rank: int, world: int, ckpt: str) -> tuple:
-    from runtime.train import Trainer
+    from pipeplan.runtime.train import Trainer
 
     dev = torch.device("cuda", 0)
     frz = {"freeze": "uniform", "freeze_cap": 0.5, "freeze_warmup": 0, "freeze_monitor": 2, "freeze_ramp": 1}

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from runtime import checkpoint
-from runtime.config import RunConfig
-from runtime.optim import HostOffloadOptimizer
-from runtime.streams import CopyStream
+from pipeplan.runtime import checkpoint
+from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.optim import HostOffloadOptimizer
+from pipeplan.runtime.streams import CopyStream
 
 ONE_STAGE = {"model.hidden": 32, "model.layers": 2, "model.ffn_hidden": 64, "model.seq_len": 16,
              "pipeline.stages": 1, "pipeline.microbatches": 2, "pipeline.schedule": "zb-h1"}
@@ -27,7 +27,7 @@ def world_of_one():
 
 
 def trainer(**kwargs):
-    from runtime.train import Trainer
+    from pipeplan.runtime.train import Trainer
 
     frz = {"freeze": "uniform", "freeze_cap": 0.5, "freeze_warmup": 0, "freeze_ramp": 0}
     cfg = RunConfig(overrides=ONE_STAGE, data="synthetic", timeout_s=30, **{**frz, **kwargs})
@@ -103,11 +103,11 @@ def test_host_optimizer_copies_through_the_stream_and_matches_adam():
 
 
 def test_the_device_peak_is_read_after_the_optimizer_step(world_of_one, monkeypatch):
-    import runtime.train
+    import pipeplan.runtime.train
 
     t = trainer(steps=2)
     seen = []
-    monkeypatch.setattr(runtime.train, "device_peak_bytes",
+    monkeypatch.setattr(pipeplan.runtime.train, "device_peak_bytes",
                         lambda device: seen.append(len(t.optimizer.state)) or 1234)
     history = t.train()
     assert seen and all(n > 0 for n in seen)  # Adam had already stepped (its state exists) when read

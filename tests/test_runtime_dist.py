@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.config import RunConfig
-from runtime.launch import spawn
-from runtime.reference import reference_losses
-from runtime.torch_pipelining import TORCH_CLASSES
-from sim.errors import PipeplanError
-from sim.schedules import build_schedule, schedule_names
+from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.launch import spawn
+from pipeplan.runtime.reference import reference_losses
+from pipeplan.runtime.torch_pipelining import TORCH_CLASSES
+from pipeplan.sim.errors import PipeplanError
+from pipeplan.sim.schedules import build_schedule, schedule_names
 
 RANKS, MICROBATCHES, STEPS = 2, 4, 2
 TINY = {"model.hidden": 32, "model.layers": 4, "model.ffn_hidden": 64, "model.seq_len": 16,
@@ -53,11 +53,11 @@ def losses_by_step(histories) -> list[list[float]]:
 
 
 def _job(rank: int, world: int, ckpt_dir: str) -> dict:
-    from runtime.data import TokenData
-    from runtime.model import ModelArgs
-    from runtime.stages import build_chunk, scenario_layer_ranges
-    from runtime.torch_pipelining import build_torch_schedule, torch_step
-    from runtime.train import Trainer, load_run_scenario
+    from pipeplan.runtime.data import TokenData
+    from pipeplan.runtime.model import ModelArgs
+    from pipeplan.runtime.stages import build_chunk, scenario_layer_ranges
+    from pipeplan.runtime.torch_pipelining import build_torch_schedule, torch_step
+    from pipeplan.runtime.train import Trainer, load_run_scenario
 
     cpu = torch.device("cpu")
     out: dict = {"runs": {}, "torch": {}}
@@ -159,7 +159,7 @@ def test_torch_pipelining_gives_the_same_losses(name, results, reference):
 def test_chronos_timed_on_the_step_s_costs_runs_its_own_order_to_the_same_losses(results, reference):
     """pipeline.order_timing = "costs" reaches the runtime through the scenario: each rank executes the order
     the list scheduler built on this tiny model's cost table (not the unit-cost one), and training is unchanged."""
-    from runtime.train import load_run_scenario
+    from pipeplan.runtime.train import load_run_scenario
 
     sched = load_run_scenario(config("chronos", 2, overrides=TIMED))[1]
     assert sched.ranks != build_schedule("chronos", RANKS, MICROBATCHES, 2, admission_cap=4).ranks

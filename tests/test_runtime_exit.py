@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.launch import spawn
+from pipeplan.runtime.launch import spawn
 
 
 def _last_call_is_a_broadcast(rank: int, world: int, out: str) -> int:

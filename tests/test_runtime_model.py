@@ -9,20 +9,20 @@ import time
 
 import pytest
 import torch
+from pipeplan.scenarios import scenario_path
 
-from runtime.config import RunConfig
-from runtime.data import TokenData
-from runtime.executor import PREFETCH_ACTIONS, PipelineExecutor
-from runtime.freeze import FreezePhases, Freezer, draw_frozen
-from runtime.memory import ChunkMemory, apply_policy, run_memory
-from runtime.model import ModelArgs, cross_entropy
-from runtime.p2p import P2P, Message, pair_sequences
-from runtime.split_backward import WeightGradStore, enable_split_backward
-from runtime.stages import build_chunk, build_model, layer_ranges
-from scenarios import scenario_path
-from sim.errors import PipeplanError
-from sim.ir import Action, Kind
-from sim.schedules import build_schedule, schedule_names
+from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.data import TokenData
+from pipeplan.runtime.executor import PREFETCH_ACTIONS, PipelineExecutor
+from pipeplan.runtime.freeze import FreezePhases, Freezer, draw_frozen
+from pipeplan.runtime.memory import ChunkMemory, apply_policy, run_memory
+from pipeplan.runtime.model import ModelArgs, cross_entropy
+from pipeplan.runtime.p2p import P2P, Message, pair_sequences
+from pipeplan.runtime.split_backward import WeightGradStore, enable_split_backward
+from pipeplan.runtime.stages import build_chunk, build_model, layer_ranges
+from pipeplan.sim.errors import PipeplanError
+from pipeplan.sim.ir import Action, Kind
+from pipeplan.sim.schedules import build_schedule, schedule_names
 
 ARGS = ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab=256, seq_len=16)
 CPU = torch.device("cpu")
@@ -180,8 +180,8 @@ def test_the_lp_sees_each_actions_own_median():
     exactly those per-action medians (one slow W on stage 1 included), not on per-chunk averages."""
     import numpy as np
 
-    from sim.costs import CostTable
-    from sim.engine import simulate
+    from pipeplan.sim.costs import CostTable
+    from pipeplan.sim.engine import simulate
 
     sched = build_schedule("zb-h1", 2, 4, 1)
     fz = Freezer.build(FreezePhases("timelyfreeze", 0.5, 0, 2, 0, 5), sched, {0: build_model(ARGS)}, 0, 0)
@@ -352,10 +352,10 @@ def test_partial_recompute_checkpoints_only_the_first_layers():
 
 
 def test_run_memory_is_the_memory_planners_choice():
-    from sim.config import load_scenario
-    from sim.costs import build_cost_table
-    from sim.step import resolve_schedule
-    from solver.memory_milp import plan_memory
+    from pipeplan.sim.config import load_scenario
+    from pipeplan.sim.costs import build_cost_table
+    from pipeplan.sim.step import resolve_schedule
+    from pipeplan.solver.memory_milp import plan_memory
 
     # 10 MiB of "HBM" for the tiny model: keeping everything needs ~15 MiB on rank 0
     sc = load_scenario(str(scenario_path("tiny-cpu")), {"device.hbm_gib": 0.01, "memory.plan": True})
@@ -376,7 +376,7 @@ def test_run_memory_is_the_memory_planners_choice():
 
 
 def test_backend_is_nccl_only_with_a_gpu_per_rank(monkeypatch):
-    from runtime.worker import choose_backend
+    from pipeplan.runtime.worker import choose_backend
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert choose_backend(torch.device("cpu"), 4) == "gloo"

@@ -10,17 +10,17 @@ from dataclasses import replace
 
 import pytest
 import torch
+from pipeplan.scenarios import scenario_path
 
-from runtime.config import RunConfig
-from runtime.launch import spawn
-from runtime.memory import RECOMPUTE_WRAPPERS, ChunkMemory, SavedTensors, apply_policy, param_storages
-from runtime.model import ModelArgs
-from runtime.stages import build_chunk, layer_ranges
-from scenarios import scenario_path
-from sim.activations import DTYPE_BYTES, layer_memory
-from sim.config import load_scenario
-from sim.layer_ops import op_checkpoint_bytes
-from sim.memory import RECOMPUTE
+from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.launch import spawn
+from pipeplan.runtime.memory import RECOMPUTE_WRAPPERS, ChunkMemory, SavedTensors, apply_policy, param_storages
+from pipeplan.runtime.model import ModelArgs
+from pipeplan.runtime.stages import build_chunk, layer_ranges
+from pipeplan.sim.activations import DTYPE_BYTES, layer_memory
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.layer_ops import op_checkpoint_bytes
+from pipeplan.sim.memory import RECOMPUTE
 
 POLICIES = ("none", "selective", "selective-op", "full")
 # (hidden, heads, kv_heads, ffn_hidden, seq_len, micro_batch_size): GQA and plain multi-head attention
@@ -98,7 +98,7 @@ SCHEDULES = {"1f1b": 1, "zbv": 2}
 def train_recording_gradients(cfg: RunConfig, rank: int, world: int):
     """Train `cfg` on this rank; per step the losses, the gradients the optimizer stepped with, and the bytes
     each forward saved."""
-    from runtime.train import Trainer
+    from pipeplan.runtime.train import Trainer
 
     trainer = Trainer(cfg, rank, world, torch.device("cpu"))
     grads: list[dict[str, torch.Tensor]] = []
@@ -152,10 +152,10 @@ def test_recomputation_gives_no_recomputations_losses_and_gradients_exactly(name
 
 def _zbv_one_rank(policy: str, offload_weights: list[bool] | None):
     """Two steps of ZBV on one rank (both chunks of the V), split backward on: losses and gradients."""
-    from runtime.executor import PipelineExecutor
-    from runtime.p2p import P2P
-    from runtime.split_backward import enable_split_backward
-    from sim.schedules import build_schedule
+    from pipeplan.runtime.executor import PipelineExecutor
+    from pipeplan.runtime.p2p import P2P
+    from pipeplan.runtime.split_backward import enable_split_backward
+    from pipeplan.sim.schedules import build_schedule
     from tests.test_runtime_model import ARGS, batches
 
     cpu = torch.device("cpu")

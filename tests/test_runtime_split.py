@@ -12,16 +12,16 @@ import re
 import pytest
 import torch
 
-from runtime.config import RunConfig
-from runtime.launch import spawn
-from runtime.model import ModelArgs
-from runtime.reference import reference_losses
-from runtime.stages import build_chunk, scenario_layer_ranges
-from runtime.train import load_run_scenario
-from sim.config import load_scenario
-from sim.cost_model import model_chunk_costs
-from sim.errors import PipeplanError
-from sim.ir import Kind
+from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.launch import spawn
+from pipeplan.runtime.model import ModelArgs
+from pipeplan.runtime.reference import reference_losses
+from pipeplan.runtime.stages import build_chunk, scenario_layer_ranges
+from pipeplan.runtime.train import load_run_scenario
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.cost_model import model_chunk_costs
+from pipeplan.sim.errors import PipeplanError
+from pipeplan.sim.ir import Kind
 
 RANKS, MICROBATCHES, STEPS = 2, 4, 2
 TINY = {"model.hidden": 32, "model.ffn_hidden": 64, "model.seq_len": 16, "pipeline.stages": RANKS,
@@ -46,7 +46,7 @@ PLACEMENTS = {
 
 
 def scenario(over: dict):
-    from scenarios import scenario_path
+    from pipeplan.scenarios import scenario_path
 
     return load_scenario(scenario_path("tiny-cpu"), {**TINY, **over})
 
@@ -116,7 +116,7 @@ def config(over: dict, steps: int = STEPS) -> RunConfig:
 
 
 def _job(rank: int, world: int) -> dict:
-    from runtime.train import Trainer
+    from pipeplan.runtime.train import Trainer
 
     cpu = torch.device("cpu")
     out: dict = {}

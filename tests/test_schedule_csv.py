@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed.pipelining import schedules as ts
 
-from sim.errors import ScheduleError
-from sim.ir import Schedule
-from sim.schedules import SCHEDULES, build_schedule, schedule_names
+from pipeplan.sim.errors import ScheduleError
+from pipeplan.sim.ir import Schedule
+from pipeplan.sim.schedules import SCHEDULES, build_schedule, schedule_names
 
 GENERATED = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zb-h1", 1),
              ("zbv", 2)]  # fmt: skip

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed.pipelining import schedules as ts
 
-from sim.errors import ScheduleError
-from sim.ir import Action, Kind, Schedule
-from sim.schedules import SCHEDULES, build_schedule, schedule_names
-from sim.schedules.interleaved import microbatches_per_round
+from pipeplan.sim.errors import ScheduleError
+from pipeplan.sim.ir import Action, Kind, Schedule
+from pipeplan.sim.schedules import SCHEDULES, build_schedule, schedule_names
+from pipeplan.sim.schedules.interleaved import microbatches_per_round
 
 # (schedule, virtual_stages) pairs the generators accept, and the sizes swept for each.
 ALLOWED_V = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3),

@@ -8,13 +8,13 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from sim.dag import build_dag, longest_path_s
-from sim.engine import SimResult, simulate
-from sim.errors import ScheduleError
-from sim.ir import Action, Kind, Schedule
-from sim.memory import hbm_waits
-from sim.schedules import SCHEDULES, build_schedule, schedule_names
-from sim.schedules.v_shape import (
+from pipeplan.sim.dag import build_dag, longest_path_s
+from pipeplan.sim.engine import SimResult, simulate
+from pipeplan.sim.errors import ScheduleError
+from pipeplan.sim.ir import Action, Kind, Schedule
+from pipeplan.sim.memory import hbm_waits
+from pipeplan.sim.schedules import SCHEDULES, build_schedule, schedule_names
+from pipeplan.sim.schedules.v_shape import (
     CHRONOS_SLOWDOWN,
     ActionTimes,
     Admission,
@@ -25,7 +25,7 @@ from sim.schedules.v_shape import (
     v_half_limit,
     zigzag_placement,
 )
-from sim.step import list_clock
+from pipeplan.sim.step import list_clock
 from tests.conftest import make_costs
 from tests.test_schedules import assert_torch_accepts, in_flight_peak
 
@@ -67,7 +67,7 @@ def test_registered_with_checks_that_name_the_field():
 
 
 def test_v_placement_is_the_registry_s_and_zigzag_returns_every_other_chunk():
-    from sim.schedules import v_placement
+    from pipeplan.sim.schedules import v_placement
 
     assert all(zigzag_placement(p, 2) == v_placement(p) for p in RANKS)
     assert zigzag_placement(3, 4) == (0, 1, 2, 2, 1, 0, 0, 1, 2, 2, 1, 0)
@@ -147,9 +147,9 @@ def test_timed_on_the_70b_step_s_costs_the_same_cap_runs_faster():
     """The shipped ChronosPipe setting at 80 layers, cap 12 with the stash under it: the order built on the
     step's costs (per chunk F 107 ms, I 120 ms, W 83 ms, a 2.2 ms hop) runs 8 % faster than the unit-cost
     order, within the same cap (docs/schedules.md)."""
-    from sim.config import load_scenario
-    from sim.costs import build_cost_table
-    from sim.step import resolve_schedule
+    from pipeplan.sim.config import load_scenario
+    from pipeplan.sim.costs import build_cost_table
+    from pipeplan.sim.step import resolve_schedule
 
     path = "scenarios/llama2-70b-48l-pp8-tp8-a100.toml"
     over = {"model.layers": 80, "pipeline.schedule": "chronos", "pipeline.admission_cap": 12,

@@ -9,15 +9,15 @@ import dataclasses
 
 import numpy as np
 import pytest
+from pipeplan.scenarios import scenario_path
 
-from scenarios import scenario_path
-from sim.config import load_scenario
-from sim.costs import build_cost_table
-from sim.engine import simulate
-from sim.ir import Action, Schedule
-from sim.memory import build_memory_plan
-from sim.memory_plan import keep_everything
-from sim.step import resolve_schedule
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.costs import build_cost_table
+from pipeplan.sim.engine import simulate
+from pipeplan.sim.ir import Action, Schedule
+from pipeplan.sim.memory import build_memory_plan
+from pipeplan.sim.memory_plan import keep_everything
+from pipeplan.sim.step import resolve_schedule
 
 UNIT = scenario_path("explicit-unit")
 SEVENTY = scenario_path("llama2-70b-48l-pp8-tp8-a100")
@@ -113,7 +113,7 @@ SMALL = {"pipeline.stages": 4, "pipeline.microbatches": 8, "model.layers": 16, "
 def test_planner_offloads_the_stash_where_nothing_else_fits_and_predicts_the_step():
     """The HBM floor with the stash movable ("auto") lies below the floor without; between them the planner's plan
     offloads some stash, fits, and its re-simulated step is the MILP's prediction (within the planner's 2%)."""
-    from solver.memory_milp import MemoryInfeasibleError, plan_memory, smallest_hbm_bytes
+    from pipeplan.solver.memory_milp import MemoryInfeasibleError, plan_memory, smallest_hbm_bytes
 
     sc = load_scenario(SEVENTY, SMALL)
     costs, sched = build_cost_table(sc), resolve_schedule(sc)
@@ -140,12 +140,12 @@ def _zbv_stash_run(share, lookahead=1):
     """One rank holding both chunks of a ZB-V (4 microbatches, split backward), W stash share `share` to host."""
     import torch
 
-    from runtime.executor import PipelineExecutor
-    from runtime.model import ModelArgs
-    from runtime.p2p import P2P
-    from runtime.split_backward import enable_split_backward
-    from runtime.stages import build_chunk, layer_ranges
-    from sim.schedules import build_schedule
+    from pipeplan.runtime.executor import PipelineExecutor
+    from pipeplan.runtime.model import ModelArgs
+    from pipeplan.runtime.p2p import P2P
+    from pipeplan.runtime.split_backward import enable_split_backward
+    from pipeplan.runtime.stages import build_chunk, layer_ranges
+    from pipeplan.sim.schedules import build_schedule
     from tests.test_runtime_model import batches
 
     args = ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab=256, seq_len=16)
@@ -186,11 +186,11 @@ def test_a_stash_share_is_whole_tensors_each_storage_once(monkeypatch):
     (and counts) once."""
     import torch
 
-    from runtime.model import ModelArgs
-    from runtime.split_backward import WeightGradStore, enable_split_backward
-    from runtime.stages import build_chunk, layer_ranges
-    from runtime.stash_offload import HostCopy, offload, prefetch
-    from runtime.streams import CopyStream
+    from pipeplan.runtime.model import ModelArgs
+    from pipeplan.runtime.split_backward import WeightGradStore, enable_split_backward
+    from pipeplan.runtime.stages import build_chunk, layer_ranges
+    from pipeplan.runtime.stash_offload import HostCopy, offload, prefetch
+    from pipeplan.runtime.streams import CopyStream
 
     args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab=256, seq_len=16)
     cpu = torch.device("cpu")
@@ -221,8 +221,8 @@ def test_a_stash_share_is_whole_tensors_each_storage_once(monkeypatch):
 
 
 def test_run_memory_hands_the_plans_stash_share_to_the_ranks():
-    from runtime.memory import run_memory
-    from sim.step import resolve_schedule
+    from pipeplan.runtime.memory import run_memory
+    from pipeplan.sim.step import resolve_schedule
 
     text = {"pipeline.schedule": "zbv", "pipeline.virtual_stages": 2, "memory.offload_stash": 0.5}
     sc = load_scenario(scenario_path("tiny-cpu"), text)

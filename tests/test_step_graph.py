@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pipeplan.scenarios import scenario_path
 
-from runtime.config import RunConfig
-from scenarios import scenario_path
-from sim.config import load_scenario
-from sim.costs import build_cost_table
-from sim.engine import simulate
-from sim.errors import ScenarioError
-from sim.graph import NodeKind, build_step_graph, cross_stage_input, step_structure
-from sim.ir import Action, Kind
-from sim.memory import build_memory_plan
-from sim.schedules import SCHEDULES, build_schedule, register, schedule_names
-from sim.step import resolve_schedule, simulate_scenario
+from pipeplan.runtime.config import RunConfig
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.costs import build_cost_table
+from pipeplan.sim.engine import simulate
+from pipeplan.sim.errors import ScenarioError
+from pipeplan.sim.graph import NodeKind, build_step_graph, cross_stage_input, step_structure
+from pipeplan.sim.ir import Action, Kind
+from pipeplan.sim.memory import build_memory_plan
+from pipeplan.sim.schedules import SCHEDULES, build_schedule, register, schedule_names
+from pipeplan.sim.step import resolve_schedule, simulate_scenario
 from tests.conftest import independent_longest_path_s, make_costs
 
 SEVENTY = scenario_path("llama2-70b-48l-pp8-tp8-a100")
@@ -66,9 +66,9 @@ def small_planned_scenario(**more):
 
 
 def test_a_handed_over_choice_is_not_solved_again(monkeypatch):
-    import solver.step
-    from solver.memory_milp import MemoryChoice
-    from solver.step import resolve_memory_plan
+    import pipeplan.solver.step
+    from pipeplan.solver.memory_milp import MemoryChoice
+    from pipeplan.solver.step import resolve_memory_plan
 
     sc = small_planned_scenario()
     costs, sched = build_cost_table(sc), resolve_schedule(sc)
@@ -79,7 +79,7 @@ def test_a_handed_over_choice_is_not_solved_again(monkeypatch):
     def no_solving(*_args, **_kwargs):
         raise AssertionError("the memory MILP was solved again")
 
-    monkeypatch.setattr(solver.step, "plan_memory", no_solving)
+    monkeypatch.setattr(pipeplan.solver.step, "plan_memory", no_solving)
     again = resolve_memory_plan(sc, costs, sched, cfg.choice())
     assert isinstance(cfg.choice(), MemoryChoice)
     for field in ("kept_bytes", "offload_bytes", "recompute_s", "static_hbm_bytes", "step_h2d_bytes"):
@@ -97,4 +97,4 @@ def test_a_schedule_name_cannot_be_registered_twice():
     schedule_names()
     with pytest.raises(ValueError, match="registered twice"):
         register("1f1b", lambda p, m, v: None, "a second 1f1b")(lambda p, m, v: None)
-    assert SCHEDULES["1f1b"].build.__module__ == "sim.schedules.one_f_one_b"
+    assert SCHEDULES["1f1b"].build.__module__ == "pipeplan.sim.schedules.one_f_one_b"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+from pipeplan.scenarios import scenario_path
 
-from analysis.cli import main
-from analysis.sweep import config_id, configurations, parse_grid, run_sweep
-from scenarios import scenario_path
-from sim.errors import PipeplanError
+from pipeplan.analysis.cli import main
+from pipeplan.analysis.sweep import config_id, configurations, parse_grid, run_sweep
+from pipeplan.sim.errors import PipeplanError
 
 EIGHT_B = str(scenario_path("llama3-8b-pp4-h100"))
 GRID = {"pipeline.stages": [2, 4], "pipeline.schedule": ["1f1b", "interleaved-1f1b"], "pipeline.microbatches": [8],
@@ -148,9 +148,9 @@ def test_step_tail_share_under_post_validation(schedule, zero):
     """With optimizer post-validation the step is the longest rank span: ZB-2p's is shorter than its makespan
     (the share is clamped at 0), the default scenario's 1F1B rank 0 starts first and ends last, so its span is the
     makespan plus its own optimizer step (a share above 0, as docs/sweep.md says)."""
-    from analysis.sweep import evaluate
-    from sim.config import load_scenario
-    from solver.step import simulate_with_memory_policy
+    from pipeplan.analysis.sweep import evaluate
+    from pipeplan.sim.config import load_scenario
+    from pipeplan.solver.step import simulate_with_memory_policy
 
     over = {"pipeline.schedule": schedule, "training.optimizer_post_validation": True}
     row = evaluate(str(scenario_path("llama3-8b-pp4-h100")), over, False)
@@ -172,7 +172,7 @@ def test_step_tail_share_under_post_validation(schedule, zero):
     (10.0, 0.0, 0.0),  # an empty step
 ])
 def test_step_tail_share_is_the_step_past_the_makespan_and_never_negative(makespan, step, share):
-    from analysis.sweep import step_tail_share
+    from pipeplan.analysis.sweep import step_tail_share
 
     assert step_tail_share(makespan, step) == pytest.approx(share)
 

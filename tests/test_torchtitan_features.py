@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from sim.config import parse_scenario
-from sim.cost_model import device_spec
-from sim.costs import build_cost_table
-from sim.errors import ScenarioError
-from sim.layer_ops import layer_times, op_checkpoint_bytes, projections
-from sim.memory import build_memory_plan
-from sim.step import resolve_schedule
+from pipeplan.sim.config import parse_scenario
+from pipeplan.sim.cost_model import device_spec
+from pipeplan.sim.costs import build_cost_table
+from pipeplan.sim.errors import ScenarioError
+from pipeplan.sim.layer_ops import layer_times, op_checkpoint_bytes, projections
+from pipeplan.sim.memory import build_memory_plan
+from pipeplan.sim.step import resolve_schedule
 
 # Llama 3.1 8B as torchtitan's Table 1 runs it: b = 2, s = 8192, one GPU's share of FSDP
 H, H_KV, F, A, S, B = 4096, 1024, 14336, 32, 8192, 2

@@ -6,14 +6,14 @@ takes 2MNK / peak; a link with no latency, so a collective takes (t - 1)/t · by
 from __future__ import annotations
 
 import pytest
+from pipeplan.scenarios import SCENARIO_DIR
 
-from scenarios import SCENARIO_DIR
-from sim.comm import Link
-from sim.config import load_scenario
-from sim.errors import ScenarioError
-from sim.layer_ops import _gemms, layer_times
-from sim.roofline import DeviceSpec
-from sim.tp_comm import Collective, layer_collectives, pass_with_comm_s
+from pipeplan.sim.comm import Link
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.errors import ScenarioError
+from pipeplan.sim.layer_ops import _gemms, layer_times
+from pipeplan.sim.roofline import DeviceSpec
+from pipeplan.sim.tp_comm import Collective, layer_collectives, pass_with_comm_s
 
 TT70B = SCENARIO_DIR / "validation" / "torchtitan-llama3.1-70b-fsdp32-tp8.toml"
 PEAK = 1e15
@@ -99,8 +99,8 @@ def test_float8_dtensor_gathers_move_one_byte_per_element():
 
 
 def test_async_tp_lies_between_no_overlap_and_full_overlap():
-    from sim.comm import build_links, tp_link
-    from sim.cost_model import device_spec
+    from pipeplan.sim.comm import build_links, tp_link
+    from pipeplan.sim.cost_model import device_spec
 
     times = {}
     for mode in ("none", "async-tp", "full"):
@@ -134,7 +134,7 @@ def test_dtensor_keeps_the_gathered_qkv_and_mlp_inputs_at_the_gathers_element_si
     in a split backward's W stash alike. With Float8 the row-parallel inputs are float8 too (torchao's
     Float8RowwiseParallel casts them): the down-projection's f/t-wide input at 1 byte, not e, and beside flash
     attention's e-byte output the out-proj's float8 copy (h/t); a W stash keeps both inputs at 1 byte."""
-    from sim.activations import layer_memory
+    from pipeplan.sim.activations import layer_memory
 
     f_over_h = 28672 / 8192
     row_act = (-f_over_h + 1) / 8  # (1 - e)·sbf/t + 1·sbh/t, in units of sbh
@@ -150,7 +150,7 @@ def test_dtensor_lm_head_keeps_its_gathered_bf16_input():
     """torchtitan's "output" plan is ColwiseParallel(input_layouts=Shard(1)), not Float8: the head saves the
     gathered bf16 input, e·sbh, where Megatron keeps e·sbh/t; the last chunk's activations and W stash both
     hold it."""
-    from sim.costs import build_cost_table
+    from pipeplan.sim.costs import build_cost_table
 
     dtensor, megatron = build_cost_table(_sc()), build_cost_table(_megatron())
     lm_dt, lm_mg = (float(c.detail.layer_activation_bytes[-1]) for c in (dtensor, megatron))  # fragmentation in
@@ -170,9 +170,9 @@ def test_lm_head_and_embedding_pay_their_tp_collectives(style, sp):
     times (no overlap): with SP the embedding reduce-scatters its output and all-gathers dY, the head all-gathers
     its input and reduce-scatters dX (Megatron gathers the input again for dW); without SP the embedding
     all-reduces its output and the head its dX. Every one moves the e-byte stream, 2·sbh."""
-    from sim.comm import all_gather_s, all_reduce_s
-    from sim.cost_model import device_spec
-    from sim.layer_ops import head_times
+    from pipeplan.sim.comm import all_gather_s, all_reduce_s
+    from pipeplan.sim.cost_model import device_spec
+    from pipeplan.sim.layer_ops import head_times
 
     over = {"parallel.tp_comm_overlap": "none", "parallel.sequence_parallel": sp}
     sc = _sc(**over) if style == "dtensor" else _megatron(**over)

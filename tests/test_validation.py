@@ -8,8 +8,8 @@ import tomllib
 import pandas as pd
 import pytest
 
-from analysis.cli import main
-from analysis.validation import (
+from pipeplan.analysis.cli import main
+from pipeplan.analysis.validation import (
     OUTPUT_COLUMNS,
     TARGETS,
     VALIDATION_DIR,
@@ -175,7 +175,7 @@ def test_a_row_without_a_prediction_says_why(predictions):
      "refers to 'r'"),
 ])
 def test_bad_published_csv_exits_2_with_one_line(tmp_path, capsys, text, expected):
-    from analysis.validation import COLUMNS
+    from pipeplan.analysis.validation import COLUMNS
 
     path = tmp_path / "published.csv"
     if text is not None:

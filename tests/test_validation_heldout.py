@@ -14,7 +14,7 @@ import tomllib
 
 import pytest
 
-from analysis.validation import VALIDATION_DIR, load_published, predict_all
+from pipeplan.analysis.validation import VALIDATION_DIR, load_published, predict_all
 from tests.validation_guard import assert_every_scored_row_predicted, assert_mean_error_within
 
 HELDOUT_CSV = VALIDATION_DIR / "heldout.csv"

@@ -16,9 +16,9 @@ import tomllib
 
 import pytest
 
-from analysis.validation import VALIDATION_DIR, load_published, narayanan_flops, predict_all
-from sim.config import load_scenario
-from sim.cost_model import chunk_layers
+from pipeplan.analysis.validation import VALIDATION_DIR, load_published, narayanan_flops, predict_all
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.cost_model import chunk_layers
 from tests.validation_guard import assert_every_scored_row_predicted, assert_mean_error_within
 
 PRODUCTION_CSV = VALIDATION_DIR / "production.csv"

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pipeplan.scenarios import scenario_path
 
-from scenarios import scenario_path
-from sim.config import load_scenario
-from sim.costs import build_cost_table, per_rank_sum
-from sim.engine import simulate
-from sim.errors import ScenarioError
-from sim.graph import starts_away, weight_windows
-from sim.ir import Kind
-from sim.memory import build_memory_plan
-from sim.step import resolve_schedule
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.costs import build_cost_table, per_rank_sum
+from pipeplan.sim.engine import simulate
+from pipeplan.sim.errors import ScenarioError
+from pipeplan.sim.graph import starts_away, weight_windows
+from pipeplan.sim.ir import Kind
+from pipeplan.sim.memory import build_memory_plan
+from pipeplan.sim.step import resolve_schedule
 
 SEVENTY = scenario_path("llama2-70b-48l-pp8-tp8-a100")
 # one microbatch through a V: rank 0 runs F0, F15, I15, W15, I0, W0, so chunk 0 is idle while the V turns
@@ -113,7 +113,7 @@ def test_copy_time_appears_when_the_link_cannot_hide_it():
 
 
 def test_the_step_boundary_prices_every_return():
-    """sim.memory.with_weight_offload's rule, checked per chunk against sim.graph.starts_away: a host
+    """pipeplan.sim.memory.with_weight_offload's rule, checked per chunk against sim.graph.starts_away: a host
     optimizer drops the weights-back copy of exactly the chunks that start the step away (an in-step prefetch
     brings those back); a GPU optimizer refreshes every offloading chunk's host copy (d2h) and brings the
     start-away ones back for the update (h2d), which the engine holds in HBM during the optimizer step."""
@@ -160,7 +160,7 @@ def test_memory_milp_offloads_weights_when_it_pays(monkeypatch):
     activation; with room to spare the planner offloads nothing. Op-level recomputation of one layer is cheaper
     still: allowed (the default), the planner takes it instead. The two plans are within 1% of each other, the
     planner's default MIP gap, so the test asks HiGHS to close the gap: it checks the model's optimum."""
-    from solver.memory_milp import MILP_OPTIONS, plan_memory
+    from pipeplan.solver.memory_milp import MILP_OPTIONS, plan_memory
 
     monkeypatch.setitem(MILP_OPTIONS, "mip_rel_gap", 1e-6)
 
@@ -187,11 +187,11 @@ def test_memory_milp_offloads_weights_when_it_pays(monkeypatch):
 def _zbv_one_rank(offload_weights, lookahead=1):
     import torch
 
-    from runtime.executor import PipelineExecutor
-    from runtime.model import ModelArgs
-    from runtime.p2p import P2P
-    from runtime.stages import build_chunk, layer_ranges
-    from sim.schedules import build_schedule
+    from pipeplan.runtime.executor import PipelineExecutor
+    from pipeplan.runtime.model import ModelArgs
+    from pipeplan.runtime.p2p import P2P
+    from pipeplan.runtime.stages import build_chunk, layer_ranges
+    from pipeplan.sim.schedules import build_schedule
     from tests.test_runtime_model import batches
 
     args = ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab=256, seq_len=16)

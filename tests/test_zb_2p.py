@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sim.ir import Kind
-from sim.schedules import build_schedule
+from pipeplan.sim.ir import Kind
+from pipeplan.sim.schedules import build_schedule
 from tests.test_schedules import MICROBATCHES, RANKS, assert_torch_accepts, in_flight_peak, makespan
 
 COSTS = [(1, 1, 1), (2, 2, 1), (1, 2, 1), (3, 2, 1), (1, 1, 0.5)]

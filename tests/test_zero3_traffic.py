@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pipeplan.scenarios import scenario_path
 
-from scenarios import scenario_path
-from sim.comm import all_gather_s, build_links, dp_link, reduce_scatter_s
-from sim.config import load_scenario
-from sim.cost_model import embedding_params, layer_costs, model_chunk_costs
-from sim.costs import build_cost_table
-from sim.data_parallel import GRAD_BYTES, zero3_per_microbatch
-from sim.memory import build_memory_plan
-from sim.schedules import build_schedule
+from pipeplan.sim.comm import all_gather_s, build_links, dp_link, reduce_scatter_s
+from pipeplan.sim.config import load_scenario
+from pipeplan.sim.cost_model import embedding_params, layer_costs, model_chunk_costs
+from pipeplan.sim.costs import build_cost_table
+from pipeplan.sim.data_parallel import GRAD_BYTES, zero3_per_microbatch
+from pipeplan.sim.memory import build_memory_plan
+from pipeplan.sim.schedules import build_schedule
 
 NARAYANAN_175B = scenario_path("validation/narayanan-t2-175b-zero3")
 TITAN_8B = scenario_path("validation/torchtitan-llama3.1-8b-fsdp8")
@@ -72,8 +72,8 @@ def test_the_memory_milp_plans_the_recomputation_zero3_hides(micro_batch):
     """175B on 384 GPUs, memory.plan = true: B waits on its parameter traffic and the MILP recomputes layers.
     At micro batch 4 the slack (14.8 s) hides the whole recomputation; at 5, 7.9 s of its 17.5 s. The MILP's
     step must be the simulated one (it used to add the recomputation on top of B's slack: +25% at 4)."""
-    from sim.step import resolve_schedule
-    from solver.memory_milp import TOLERANCE, plan_memory
+    from pipeplan.sim.step import resolve_schedule
+    from pipeplan.solver.memory_milp import TOLERANCE, plan_memory
 
     sc = load_scenario(NARAYANAN_175B, {"parallel.dp": 384, "training.micro_batch_size": micro_batch,
                                         "memory.plan": True})
@@ -113,8 +113,8 @@ def test_the_tail_keeps_the_trailing_reduce_scatters_past_b_slack():
     """After the backward's last computation the one reduce-scatter stream still runs the first layer's and then
     the root module's (embedding, final norm, LM head: FSDP2's root post-backward); a traffic-bound B has them
     inside its bound already, so the tail is what exceeds B's slack."""
-    from sim.cost_model import device_spec
-    from sim.data_parallel import step_tail
+    from pipeplan.sim.cost_model import device_spec
+    from pipeplan.sim.data_parallel import step_tail
 
     titan = load_scenario(scenario_path("validation/torchtitan-llama3.1-8b-fsdp128"))  # compute-bound B
     c = model_chunk_costs(titan)
@@ -143,7 +143,7 @@ def test_without_a_pipeline_hbm_holds_the_root_module_gathered_and_its_head_grad
     """FSDP2 does not reshard the root module (embedding, final norm, LM head) after forward: its bf16 weights
     stay gathered through B, and the LM head's unsharded bf16 gradient from B's first op to the root's
     reduce-scatter; neither with a pipeline, whose weights stay gathered anyway (counted as states)."""
-    from sim.overheads import runtime_bytes
+    from pipeplan.sim.overheads import runtime_bytes
 
     sc = load_scenario(scenario_path("validation/torchtitan-llama3.1-8b-fsdp128"))
     dev, p = sc.device.resolved(), layer_costs(sc).params
@@ -160,7 +160,7 @@ def test_without_a_pipeline_hbm_holds_the_root_module_gathered_and_its_head_grad
 
 
 def test_float8_gathers_the_decoder_layers_in_fp8_and_the_root_in_bf16():
-    from sim.data_parallel import zero3_pass_comm_s
+    from pipeplan.sim.data_parallel import zero3_pass_comm_s
 
     sc = load_scenario(scenario_path("validation/torchtitan-llama3.1-8b-fsdp128"), {"training.float8_linears": True})
     links = build_links(sc, sc.device.resolved())
@@ -173,7 +173,7 @@ def test_float8_gathers_the_decoder_layers_in_fp8_and_the_root_in_bf16():
 
 
 def test_a_bad_prefetch_value_names_the_field():
-    from sim.errors import ScenarioError
+    from pipeplan.sim.errors import ScenarioError
 
     with pytest.raises(ScenarioError, match="zero3_prefetch"):
         load_scenario(NARAYANAN_175B, {"parallel.zero3_prefetch": "two"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from analysis.validation import summarize
+from pipeplan.analysis.validation import summarize
 
 
 def assert_every_scored_row_predicted(predictions, scored_rows: int) -> None:

@@ -1,0 +1,233 @@
+"""`pipeplan freeze-study`: what TimelyFreeze costs in training quality, and what it buys in speed.
+
+    pipeplan freeze-study                                         # freeze-study-cpu, caps 0,0.3,0.6,0.9
+    pipeplan freeze-study SCEN.toml --caps 0,0.5 --tokens 65536 --out out/fs
+    pipeplan freeze-study --caps 0,0.9 --tokens 8192 --set model.layers=2   # a quick look
+
+The same model from the same seed is trained once per cap, to the same number of tokens, on the same data:
+`--data pydoc` (the Python Language Reference topics that ship with CPython, runtime/data.py; the last
+tenth of every topic is held out). Each run is `pipeplan run --freeze timelyfreeze --cap C` (warm-up,
+monitoring, the LP, a ramp of the cap), so cap 0 has the same phases with a plan that freezes nothing.
+After each run the final weights (from its end-of-run checkpoint) are evaluated on held-out text.
+
+    freeze_study.csv   cap, tokens, final_loss, heldout_loss, mean_step_time_s, predicted_step_time_s,
+                       wall_s, then median_step_time_s, cpu_time_per_step_s,
+                       predicted_unfrozen_step_time_s, predicted_gain, planned_mean_ratio, realized_mean_ratio
+    loss_curves.png    training loss against tokens and against wall time, one line per cap
+    cap-C/             that run's `pipeplan run` outputs (metrics.csv, timelines, summary.json, ...)
+
+final_loss is the mean training loss over the last tenth of the steps (one step's loss is one batch's);
+mean_step_time_s the mean wall time of the steady steps (median and CPU time per step beside it: the
+CPU time is what other jobs on a shared machine do not inflate); predicted_step_time_s the LP plan's
+simulated makespan at the cap, from the run's own monitoring, and predicted_gain its ratio to the same
+simulation with nothing frozen (predicted_unfrozen_step_time_s): a gain predicted from one monitoring,
+so that runs monitored under different machine load compare; wall_s the whole job, launch included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipeplan.analysis.commands.run import JobFailed, add_launch_arguments, launch_job, overrides
+from pipeplan.analysis.outputs import add_force_argument, output_folder
+from pipeplan.common.io import atomic_write_text
+from pipeplan.sim.errors import PipeplanError
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from pipeplan.runtime.config import RunConfig
+    from pipeplan.sim.ir import Schedule
+
+DEFAULT_SCENARIO = "freeze-study-cpu"
+DEFAULT_CAPS = "0,0.3,0.6,0.9"
+HELDOUT_MICROBATCHES = 32  # evaluation windows of the held-out split (x micro_batch_size sequences)
+FINAL_SHARE = 0.1  # final_loss: the mean over this last share of the steps
+COLUMNS = ("cap", "tokens", "final_loss", "heldout_loss", "mean_step_time_s", "predicted_step_time_s", "wall_s",
+           "median_step_time_s", "cpu_time_per_step_s", "predicted_unfrozen_step_time_s", "predicted_gain",
+           "planned_mean_ratio", "realized_mean_ratio")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_launch_arguments(parser)
+    for action in parser._actions:
+        if action.dest == "scenario":
+            action.help = f"scenario TOML with a [model] table (default: scenarios/{DEFAULT_SCENARIO}.toml)"
+    parser.set_defaults(default_scenario=DEFAULT_SCENARIO)
+    parser.add_argument("--caps", default=DEFAULT_CAPS, help=f"freeze caps, one run each (default {DEFAULT_CAPS})")
+    parser.add_argument("--tokens", type=int, default=65536, help="tokens each run trains on (default 65536)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    parser.add_argument("--freeze-warmup", type=int, default=2, help="steps before freezing (default 2)")
+    parser.add_argument("--freeze-monitor", type=int, default=2, help="monitoring steps (default 2)")
+    parser.add_argument("--freeze-ramp", type=int, default=4, help="steps to ramp the cap up (default 4)")
+    parser.add_argument("--freeze-redraw", type=int, default=5, help="re-draw frozen sets every K steps (default 5)")
+    parser.add_argument("--out", default="out/freeze-study", help="output folder (default: out/freeze-study)")
+    add_force_argument(parser)
+
+
+def parse_caps(text: str) -> list[float]:
+    try:
+        caps = [float(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise PipeplanError(f"--caps {text}: give comma-separated numbers in [0, 1], e.g. 0,0.3,0.6,0.9") from None
+    if not caps or any(not 0 <= c <= 1 for c in caps) or len(set(caps)) != len(caps):
+        raise PipeplanError(f"--caps {text}: give distinct numbers in [0, 1], e.g. 0,0.3,0.6,0.9")
+    return caps
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeplan.analysis.console import console
+    from pipeplan.runtime.config import RunConfig
+    from pipeplan.runtime.train import load_run_scenario
+    from pipeplan.scenarios import scenario_path
+
+    caps = parse_caps(args.caps)
+    if args.tokens < 1:
+        raise PipeplanError(f"--tokens: must be >= 1 (got {args.tokens})")
+    scenario = args.scenario or str(scenario_path(DEFAULT_SCENARIO))
+    base = RunConfig(scenario=scenario, overrides=overrides(args), schedule_csv=args.schedule_csv, data="pydoc",
+                     seed=args.seed, lr=args.lr, freeze="timelyfreeze", freeze_warmup=args.freeze_warmup,
+                     freeze_monitor=args.freeze_monitor, freeze_ramp=args.freeze_ramp,
+                     freeze_redraw=args.freeze_redraw, device=args.device, timeout_s=args.timeout_s,
+                     threads=args.threads)
+    sc, sched = load_run_scenario(base)
+    tokens_per_step = sc.training.micro_batch_size * sc.model.seq_len * sched.num_microbatches
+    steps = math.ceil(args.tokens / tokens_per_step)
+    first_steady = args.freeze_warmup + args.freeze_monitor + args.freeze_ramp
+    if steps <= first_steady + 1:
+        raise PipeplanError(f"--tokens {args.tokens}: {steps} steps of {tokens_per_step} tokens leave no steady "
+                            f"steps after warm-up, monitoring and ramp ({first_steady}); give more tokens")
+    console.print(f"{len(caps)} runs of {steps} steps x {tokens_per_step} tokens ({steps * tokens_per_step:,} "
+                  f"tokens) on pydoc text; {sched.name} p={sched.num_ranks} m={sched.num_microbatches}")
+    try:
+        study = run_study(args, caps, base, steps, tokens_per_step, sched)
+    except JobFailed as exc:
+        return exc.code
+    print_study(study)
+    print(f"wrote {args.out}/: freeze_study.csv loss_curves.png cap-*/")
+    return 0
+
+
+def run_study(args: argparse.Namespace, caps: list[float], base: RunConfig, steps: int, tokens_per_step: int,
+              sched: Schedule) -> pd.DataFrame:
+    """One run per cap into a staged folder that replaces --out as a whole when every run succeeded."""
+    import pandas as pd
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from pipeplan.analysis.console import console
+    from pipeplan.runtime.config import RunConfig
+
+    out = args.out
+    with output_folder(args) as stage:  # the whole study lands at once, with its manifest
+        rows = []
+        columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+                   TimeElapsedColumn())
+        with Progress(*columns, console=console) as bar:
+            for cap in caps:
+                task = bar.add_task(f"cap {cap:g}", total=steps)
+                run_dir, ckpt = stage / f"cap-{cap:g}", stage / "checkpoints" / f"cap-{cap:g}"
+                progress = stage / f".progress-cap-{cap:g}"
+                shutil.rmtree(ckpt, ignore_errors=True)
+                cfg = RunConfig(**{**base.__dict__, "steps": steps, "freeze_cap": cap, "checkpoint_dir": str(ckpt),
+                                   "progress_file": str(progress)})
+
+                def poll(task=task, progress=progress) -> None:
+                    if progress.exists():
+                        bar.update(task, completed=int(progress.read_text().strip() or 0))
+
+                start = time.perf_counter()
+                try:
+                    summary = launch_job(cfg, args, str(run_dir), poll=poll)
+                except JobFailed as exc:  # leaves the with: the staged study is discarded, --out untouched
+                    console.print(f"pipeplan freeze-study: cap {cap:g}: {exc}; nothing was written to {out}")
+                    raise
+                wall = time.perf_counter() - start
+                bar.update(task, completed=steps)
+                progress.unlink(missing_ok=True)
+                rows.append(study_row(cap, steps * tokens_per_step, run_dir, summary or {}, wall,
+                                      heldout_loss(cfg, ckpt, sched.num_ranks)))
+                shutil.rmtree(ckpt, ignore_errors=True)  # weights evaluated; the run's measurements stay
+        shutil.rmtree(stage / "checkpoints", ignore_errors=True)
+        table = pd.DataFrame(rows, columns=COLUMNS)
+        atomic_write_text(stage / "freeze_study.csv", table.to_csv(index=False))
+        from pipeplan.analysis.freeze_study_plots import loss_curves
+
+        loss_curves({cap: pd.read_csv(stage / f"cap-{cap:g}" / "metrics.csv") for cap in caps}, tokens_per_step,
+                    stage / "loss_curves.png", f"{sched.name} p={sched.num_ranks}: TimelyFreeze caps, pydoc text")
+    return table
+
+
+def study_row(cap: float, tokens: int, run_dir: Path, summary: dict, wall_s: float, heldout: float) -> dict:
+    import pandas as pd
+
+    metrics = pd.read_csv(run_dir / "metrics.csv")
+    tail = metrics.tail(max(1, round(FINAL_SHARE * len(metrics))))
+    steady = metrics[metrics["phase"] == "steady"]
+    steady = steady[steady["step"] != metrics["step"].iloc[0]] if len(steady) > 1 else steady
+    return {
+        "cap": cap,
+        "tokens": tokens,
+        "final_loss": float(tail["loss"].mean()),
+        "heldout_loss": heldout,
+        "mean_step_time_s": float(steady["step_time_s"].mean()),
+        "predicted_step_time_s": summary.get("planned_makespan_s"),
+        "wall_s": wall_s,
+        "median_step_time_s": float(steady["step_time_s"].median()),
+        "cpu_time_per_step_s": float(steady["cpu_time_s"].mean()),
+        "predicted_unfrozen_step_time_s": summary.get("planned_unfrozen_makespan_s"),
+        "predicted_gain": (summary["planned_makespan_s"] / summary["planned_unfrozen_makespan_s"]
+                           if summary.get("planned_unfrozen_makespan_s") else None),
+        "planned_mean_ratio": summary.get("planned_mean_ratio"),
+        "realized_mean_ratio": summary.get("realized_mean_ratio"),
+    }
+
+
+def heldout_loss(cfg, ckpt: Path, ranks: int) -> float:
+    """Mean loss of the run's final weights (every rank's end-of-run checkpoint, merged: chunks carry the
+    full model's parameter names) on HELDOUT_MICROBATCHES windows of the held-out split."""
+    import torch
+
+    from pipeplan.runtime import checkpoint
+    from pipeplan.runtime.data import heldout_batches
+    from pipeplan.runtime.executor import autocast
+    from pipeplan.runtime.model import ModelArgs, cross_entropy
+    from pipeplan.runtime.stages import build_model
+    from pipeplan.runtime.train import AUTOCAST, load_run_scenario
+
+    sc, _ = load_run_scenario(cfg)
+    weights: dict = {}
+    for rank in range(ranks):
+        for chunk in checkpoint.load(ckpt, rank, "cpu")["device"]["chunks"].values():
+            weights.update(chunk)
+    model = build_model(ModelArgs.from_scenario(sc.model), "cpu", cfg.seed)
+    model.load_state_dict(weights)
+    batches = heldout_batches(sc.model.vocab, sc.model.seq_len, sc.training.micro_batch_size,
+                              HELDOUT_MICROBATCHES, cfg.seed)
+    cpu = torch.device("cpu")
+    with torch.no_grad(), autocast(cpu, AUTOCAST[sc.training.dtype]):
+        return float(sum(cross_entropy(model(x), y) for x, y in batches) / len(batches))
+
+
+def print_study(table) -> None:
+    import pandas as pd
+    from rich.table import Table
+
+    from pipeplan.analysis.console import console
+
+    base = table.loc[table["cap"].idxmin()]  # the least-frozen run: the others' reference
+    t = Table(title="freeze study", header_style="bold")
+    for col in ("cap", "final loss", "held-out loss", "step (ms)", f"measured vs cap {base['cap']:g}",
+                "predicted (ms)", "predicted gain", "CPU s/step", "frozen share"):
+        t.add_column(col, justify="right")
+    for _, r in table.sort_values("cap").iterrows():
+        pred, gain = r["predicted_step_time_s"], r["predicted_gain"]
+        t.add_row(f"{r['cap']:g}", f"{r['final_loss']:.4f}", f"{r['heldout_loss']:.4f}",
+                  f"{r['mean_step_time_s'] * 1e3:.1f}", f"{r['mean_step_time_s'] / base['mean_step_time_s']:.3f}",
+                  "n/a" if pd.isna(pred) else f"{pred * 1e3:.1f}", "n/a" if pd.isna(gain) else f"{gain:.3f}",
+                  f"{r['cpu_time_per_step_s']:.3f}", f"{r['realized_mean_ratio'] or 0:.2f}")
+    console.print(t)

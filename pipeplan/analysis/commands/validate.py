@@ -1,0 +1,55 @@
+"""`pipeplan validate`: predict every published measurement of the validation set and report the errors.
+
+    pipeplan validate                          # the shipped set: scenarios/validation/published.csv
+    pipeplan validate --published my.csv       # another set (scenario paths relative to that file)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--published", default=None, metavar="CSV",
+                        help="published figures (default: scenarios/validation/published.csv); its scenario "
+                             "column names TOML files next to it")
+    parser.add_argument("--out", default="out/validate", help="output folder (default: out/validate)")
+    from pipeplan.analysis.outputs import add_force_argument
+
+    add_force_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import pandas as pd
+
+    from pipeplan.analysis.console import transient_bar
+    from pipeplan.analysis.outputs import output_folder
+    from pipeplan.analysis.validation import (
+        OUTPUT_COLUMNS,
+        PUBLISHED_CSV,
+        load_published,
+        predict_all,
+        summarize,
+        validation_table,
+    )
+    from pipeplan.analysis.validation_plots import parity_plot, print_summary
+    from pipeplan.common.io import atomic_write_text
+
+    path = Path(args.published) if args.published else PUBLISHED_CSV
+    figures = load_published(path)  # bad input is one line, before any progress bar
+    with transient_bar() as bar:
+        task = bar.add_task("validate", total=None)
+
+        def step(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=f"validate: {what[:60]}")
+
+        predictions = predict_all(figures, folder=path.parent, progress=step)
+    table = pd.DataFrame(validation_table(predictions), columns=list(OUTPUT_COLUMNS))
+    with output_folder(args) as stage:
+        atomic_write_text(stage / "validation.csv", table.to_csv(index=False))
+        parity_plot(predictions, stage / "parity.png")
+    print_summary(summarize(predictions), predictions)
+    print(f"wrote {args.out}/: validation.csv parity.png")
+    return 0

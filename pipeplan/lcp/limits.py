@@ -1,0 +1,39 @@
+"""Sizes checked before work starts: what this machine can hold, and refusals that name the field.
+
+Every allocation that grows with user input (rows, queries, k, file sizes) is compared with the memory
+available now (MemAvailable from /proc/meminfo), so a bad flag or a forged file is refused in one line
+instead of swapping, being killed, or reading forever.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pipeplan.lcp.errors import LCPError
+
+
+def available_bytes() -> int:
+    """Host memory available now (MemAvailable), or the free pages where /proc/meminfo is absent."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info["MemAvailable"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def check_fits(what: str, need_bytes: int, fraction: float = 0.8) -> None:
+    """LCPError naming `what` when `need_bytes` exceed `fraction` of the available host memory."""
+    have = int(available_bytes() * fraction)
+    if need_bytes > have:
+        raise LCPError(f"{what} needs about {gib(need_bytes)}, more than the {gib(have)} this machine can spare now")
+
+
+def check_results(batch: int, k: int) -> None:
+    """Refuse a top-k whose results alone (lcps and ids, int64 [batch, k]) would not fit in memory."""
+    if batch * k > 1 << 24:  # below 256 MiB of results nothing is worth a look at /proc/meminfo
+        check_fits(f"k = {k} for {batch} queries (results: 2 × {batch} × {k} int64)", 16 * batch * k)

@@ -1,0 +1,66 @@
+"""Read a model's shape from a local Hugging Face `config.json` (`[model] config = "path"`).
+
+The file users already have names the shape in transformers' keys; this maps them onto pipeplan's
+`[model]` keys, which win when both are given. LLaMA-family configs (`model_type` llama, mistral, qwen2) map
+to architecture "llama"; GPT-2 / GPT-NeoX-free GPT configs (`model_type` gpt2, megatron-gpt) to "gpt".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeplan.sim.errors import ScenarioError
+
+# transformers key -> pipeplan key, first match wins (GPT-2 uses n_layer/n_embd/n_head/n_inner/n_positions)
+_KEYS: dict[str, tuple[str, ...]] = {
+    "layers": ("num_hidden_layers", "n_layer"),
+    "hidden": ("hidden_size", "n_embd"),
+    "ffn_hidden": ("intermediate_size", "n_inner"),
+    "heads": ("num_attention_heads", "n_head"),
+    "kv_heads": ("num_key_value_heads",),
+    "vocab": ("vocab_size",),
+    "seq_len": ("max_position_embeddings", "n_positions"),
+    "tied_embeddings": ("tie_word_embeddings",),
+}
+_GPT_TYPES = {"gpt2", "megatron-gpt", "gpt_bigcode", "opt"}
+
+
+def shape_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """pipeplan [model] keys read from a transformers config dict (only those it names)."""
+    out: dict[str, Any] = {}
+    for key, names in _KEYS.items():
+        for n in names:
+            if cfg.get(n) is not None:
+                out[key] = cfg[n]
+                break
+    model_type = str(cfg.get("model_type", "llama"))
+    out["architecture"] = "gpt" if model_type in _GPT_TYPES else "llama"
+    if out["architecture"] == "gpt":
+        out.setdefault("tied_embeddings", True)  # GPT-2 ties wte and lm_head unless told otherwise
+    if model_type in _GPT_TYPES and "ffn_hidden" in out and out["ffn_hidden"] is None:
+        del out["ffn_hidden"]
+    if isinstance(cfg.get("_name_or_path"), str) and cfg["_name_or_path"]:
+        out["name"] = cfg["_name_or_path"].rsplit("/", 1)[-1]
+    return out
+
+
+def merge_hf_config(raw: dict[str, Any], base_dir: Path | None, source: str) -> dict[str, Any]:
+    """`raw` with the [model] table's missing keys filled from its `config` file, if it names one."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("config"), str):
+        return raw
+    path = Path(model["config"])
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ScenarioError(f"{source}: model.config: file {path} not found; give a Hugging Face config.json") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ScenarioError(f"{source}: model.config: {path} is not a readable JSON file ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ScenarioError(f"{source}: model.config: {path} must hold a JSON object (a config.json)")
+    merged = {**shape_from_hf(cfg), **model}
+    return {**raw, "model": merged}
