@@ -28,8 +28,8 @@ import sys
 
 RUNTIME_EXTRA = "pip install -c constraints.txt -e '.[runtime]' (or pip install 'pipeplan[runtime]')"
 
-# name -> (module, relative to pipeplan.analysis, with add_arguments(parser) and run(args) -> int, one-line help). Only the module of the
-# command being run is imported, so `pipeplan simulate` never pays for torch.
+# name -> (module relative to pipeplan.analysis, with add_arguments(parser) and run(args) -> int, one-line help).
+# Only the module of the command being run is imported, so `pipeplan simulate` never pays for torch.
 COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": (".commands.simulate", "simulate one training step: timeline, memory, bubbles, throughput"),
     "plan": (".commands.plan", "plan per-microbatch freeze ratios (TimelyFreeze LP), verified by simulation"),
