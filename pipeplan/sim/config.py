@@ -10,12 +10,15 @@ from __future__ import annotations
 import itertools
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeplan.sim.errors import ScenarioError
 from pipeplan.sim.limits import check_scenario_limits
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Pos = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -363,20 +366,25 @@ class FreezeConfig(_Section):
             return self
         if not self.curve:
             raise ValueError("curve: empty; give points from [0, 1] to [1, 0], e.g. [[0, 1], [1, 0]], or omit it")
-        per_chunk = isinstance(self.curve[0][0], list)
-        curves = self.curve if per_chunk else [self.curve]
+        per_chunk = _per_chunk_curves(self.curve)
+        curves = self.curve if _per_chunk_curves(self.curve) else [self.curve]
         for k, pts in enumerate(curves):
             where = f"curve (chunk {k})" if per_chunk else "curve"
-            _check_freeze_curve(where, pts)  # type: ignore[arg-type]
+            _check_freeze_curve(where, pts)
         return self
 
     def curves(self, chunks: int) -> list[list[tuple[float, float]]] | None:
         """One (ratio, share still spent) curve per chunk, or None for the linear model."""
         if self.curve is None:
             return None
-        if isinstance(self.curve[0][0], list):
-            return [[(float(x), float(y)) for x, y in pts] for pts in self.curve]  # type: ignore[misc]
-        return [[(float(x), float(y)) for x, y in self.curve]] * chunks  # type: ignore[misc]
+        if _per_chunk_curves(self.curve):
+            return [[(float(x), float(y)) for x, y in pts] for pts in self.curve]
+        return [[(float(x), float(y)) for x, y in self.curve]] * chunks
+
+
+def _per_chunk_curves(curve: list[list[float]] | list[list[list[float]]]) -> TypeIs[list[list[list[float]]]]:
+    """Whether freeze.curve is one curve per chunk (its first point is itself a list) rather than one curve."""
+    return isinstance(curve[0][0], list)
 
 
 def _check_freeze_curve(where: str, pts: list[list[float]]) -> None:
@@ -402,8 +410,8 @@ def _check_freeze_curve(where: str, pts: list[list[float]]) -> None:
 
 Tier = Literal["hbm", "dram", "nvme"]
 # sim.memory.RECOMPUTE implements exactly these
-RECOMPUTE_POLICIES = ("none", "full", "selective", "selective-op", "chronos")
-RecomputePolicy = Literal[RECOMPUTE_POLICIES]
+RecomputePolicy = Literal["none", "full", "selective", "selective-op", "chronos"]
+RECOMPUTE_POLICIES: tuple[str, ...] = get_args(RecomputePolicy)
 
 
 class MemoryConfig(_Section):
@@ -563,7 +571,7 @@ def device_presets() -> dict[str, dict[str, float]]:
 def default_scenario_path() -> Path:
     from pipeplan.scenarios import scenario_path
 
-    return scenario_path("llama3-8b-pp4-h100")
+    return Path(scenario_path("llama3-8b-pp4-h100"))  # Path(): mypy cannot see pipeplan.scenarios
 
 
 def resolve_scenario_path(path: str | Path | None) -> Path:
@@ -575,7 +583,7 @@ def resolve_scenario_path(path: str | Path | None) -> Path:
         from pipeplan.scenarios import scenario_names, scenario_path
 
         if path.name in scenario_names():
-            return scenario_path(path.name)
+            return Path(scenario_path(path.name))
         raise ScenarioError(
             f"scenario {path}: no such file and no shipped scenario of that name; shipped: "
             f"{', '.join(scenario_names())} (pipeplan scenarios lists them)"

@@ -321,7 +321,7 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
         backward_input_s=bwi,
         backward_weight_s=bww,
         activation_bytes=act * frag,
-        static_bytes=sum(states[k] for k in static_parts),
+        static_bytes=sum((states[k] for k in static_parts[1:]), start=states[static_parts[0]]),
         params=params,
         p2p_s=p2p_transfer_s(sc, links),
         hbm_bytes=dev["hbm_gib"] * 2**30,

@@ -126,7 +126,8 @@ if tuple(RECOMPUTE) != RECOMPUTE_POLICIES:  # the scenario schema's names (sim.c
 
 def activation_lifetimes(schedule: Schedule, costs: CostTable) -> np.ndarray:
     """Mean time per chunk from a forward's end to its backward's start, in a keep-everything simulation."""
-    return hbm_waits(simulate(schedule, costs)).mean(axis=1)
+    life: np.ndarray = hbm_waits(simulate(schedule, costs)).mean(axis=1)
+    return life
 
 
 def hbm_waits(result: SimResult) -> np.ndarray:
