@@ -29,9 +29,10 @@ from hypothesis import strategies as st
 from pipeplan.scenarios import scenario_path
 
 from pipeplan.analysis.cli import MAX_ERROR_CHARS, main
+from pipeplan.sim.schedules import schedule_names
 
 MAX_LINE = MAX_ERROR_CHARS
-SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "v-half", "chronos"]
+SCHEDULES = schedule_names()  # every registered one, zb-2p included
 BASES = {"unit": str(scenario_path("explicit-unit")), "tiny": str(scenario_path("tiny-cpu"))}
 
 # real keys of both scenario forms, and near misses

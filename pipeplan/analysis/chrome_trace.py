@@ -9,6 +9,8 @@ from typing import Any
 
 import pandas as pd
 
+from pipeplan.common.units import GIB
+
 US = 1e6  # trace timestamps are microseconds
 
 
@@ -77,7 +79,7 @@ def chrome_trace(
                     "ph": "C",
                     "pid": int(row.rank),
                     "ts": row.time_s * US,
-                    "args": {"GiB": row.hbm_bytes / 2**30},
+                    "args": {"GiB": row.hbm_bytes / GIB},
                 }
             )
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"title": title}}

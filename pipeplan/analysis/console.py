@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from pipeplan.common.units import GIB
+
 if TYPE_CHECKING:
     from rich.progress import Progress, ProgressColumn
 
@@ -36,7 +38,7 @@ def transient_bar(*columns: ProgressColumn | str) -> Progress:
 
 
 def gib(x: float) -> str:
-    return f"{x / 2**30:.2f}"
+    return f"{x / GIB:.2f}"
 
 
 def step_differs(summary: dict[str, Any], spec: str = ".6g") -> bool:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import matplotlib
 
+from pipeplan.common.units import GIB
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
@@ -45,7 +47,7 @@ def plot_memory(df: pd.DataFrame, path: str | Path, budget_bytes: int, batch: in
     ns = np.geomspace(max(1, df["n"].min() / 2), df["n"].max() * 2, 50)
     ax.plot(ns, [pairwise_bytes(batch, int(n), length) for n in ns], "k--", lw=1, label=f"pairwise {batch}×N int16")
     ax.plot(ns, [pairwise_bytes(int(n), int(n), length) for n in ns], "k:", lw=1, label="all-pairs N×N int16")
-    ax.axhline(budget_bytes, color="r", lw=1, label=f"memory budget {budget_bytes / 2**30:.3g} GiB")
+    ax.axhline(budget_bytes, color="r", lw=1, label=f"memory budget {budget_bytes / GIB:.3g} GiB")
     ax.set(xscale="log", yscale="log", xlabel="N (rows)", ylabel="bytes")
     ax.set_title(f"LCP top-k: memory (L = {length} bytes)")
     ax.grid(True, which="both", alpha=0.3)

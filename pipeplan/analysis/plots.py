@@ -6,6 +6,8 @@ from pathlib import Path
 
 import matplotlib
 
+from pipeplan.common.units import GIB
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -53,12 +55,12 @@ def memory_plot(memory: pd.DataFrame, path: str | Path, capacity_bytes: float | 
     fig, axes = plt.subplots(1 + bool(host), 1, figsize=(10, 4 + 2.5 * bool(host)), sharex=True, squeeze=False)
     ax = axes[0, 0]
     for rank, rows in memory.groupby("rank"):
-        line = ax.step(rows["time_s"], rows["hbm_bytes"] / 2**30, where="post", label=f"rank {rank}", linewidth=1)
+        line = ax.step(rows["time_s"], rows["hbm_bytes"] / GIB, where="post", label=f"rank {rank}", linewidth=1)
         if "static_hbm_bytes" in rows:
-            ax.step(rows["time_s"], rows["static_hbm_bytes"] / 2**30, where="post", linewidth=0.8,
+            ax.step(rows["time_s"], rows["static_hbm_bytes"] / GIB, where="post", linewidth=0.8,
                     linestyle=":", color=line[0].get_color())
     if capacity_bytes is not None:
-        ax.axhline(capacity_bytes / 2**30, color="black", linestyle="--", linewidth=1, label="HBM capacity")
+        ax.axhline(capacity_bytes / GIB, color="black", linestyle="--", linewidth=1, label="HBM capacity")
     ax.set_ylabel("HBM in use (GiB)\nsolid: total, dotted: static")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title(title, fontsize=10)
@@ -66,7 +68,7 @@ def memory_plot(memory: pd.DataFrame, path: str | Path, capacity_bytes: float | 
         hx = axes[1, 0]
         for rank, rows in memory.groupby("rank"):
             for col, style in zip(host, ("-", "--"), strict=False):
-                hx.step(rows["time_s"], rows[col] / 2**30, where="post", linestyle=style, linewidth=1,
+                hx.step(rows["time_s"], rows[col] / GIB, where="post", linestyle=style, linewidth=1,
                         label=f"rank {rank} {col.removesuffix('_bytes').upper()}")
         hx.set_ylabel("host memory (GiB)")
         hx.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0), ncols=2)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 
+from pipeplan.common.units import GIB
 from pipeplan.sim.errors import PipeplanError
 
 MAX_ROWS = 30
@@ -56,7 +57,7 @@ def _flatten(obj: dict[str, Any]) -> pd.DataFrame:
 
 
 def _gib(v: Any) -> Any:
-    return round(v / 2**30, 3) if isinstance(v, int | float) else v
+    return round(v / GIB, 3) if isinstance(v, int | float) else v
 
 
 def _fmt(v: Any) -> str:

@@ -22,8 +22,8 @@ import pandas as pd
 
 from pipeplan.analysis.console import step_differs
 from pipeplan.analysis.sweep import fitting, invalid_reasons, ranked, speed_column, with_speed
+from pipeplan.common.units import GIB
 
-GiB = 2**30
 MEMORY_TIGHT = 0.05
 """Headroom below this share of capacity counts as memory limiting the configuration."""
 BUBBLE_HIGH = 0.10
@@ -67,7 +67,7 @@ def _columns(path: Path) -> list[str]:
 
 
 def _gib(x: Any) -> str:
-    return "—" if x is None or pd.isna(x) else f"{float(x) / GiB:.1f} GiB"
+    return "—" if x is None or pd.isna(x) else f"{float(x) / GIB:.1f} GiB"
 
 
 def _pct(x: Any) -> str:

@@ -13,6 +13,7 @@ from rich.table import Table
 from pipeplan.analysis.console import console
 from pipeplan.analysis.plots import plt, save
 from pipeplan.analysis.sweep import fitting, invalid_reasons, pareto_front, ranked, speed_column, with_speed
+from pipeplan.common.units import GIB
 
 SPEED_LABELS = {"tokens_per_s_per_gpu": "tokens/s per GPU", "tokens_per_s": "tokens/s", "steps_per_s": "steps/s",
                 "samples_per_s_per_gpu": "sequences/s per GPU"}
@@ -35,7 +36,7 @@ def pareto_plot(df: pd.DataFrame, path: Path, title: str = "") -> None:
     col = speed_column(df)
     ok = ok[ok[col].notna()]
     fig, ax = plt.subplots(figsize=(8, 4.8))
-    x = ok["max_peak_hbm_bytes"].astype(float) / 2**30
+    x = ok["max_peak_hbm_bytes"].astype(float) / GIB
     y = ok[col].astype(float)
     cap = capacity_gib(ok)
     hi = float(x.quantile(CLIP_QUANTILE)) if len(x) else 1.0
@@ -50,7 +51,7 @@ def pareto_plot(df: pd.DataFrame, path: Path, title: str = "") -> None:
                    label=f"beyond {hi:.0f} GiB ({int(clipped.sum())}, up to {x.max():.0f} GiB)")
     front = pareto_front(df)
     if len(front):
-        ax.plot(front["max_peak_hbm_bytes"] / 2**30, front[col], "o-", color="#E45756", label="Pareto front")
+        ax.plot(front["max_peak_hbm_bytes"] / GIB, front[col], "o-", color="#E45756", label="Pareto front")
     if cap:
         ax.axvline(cap, color="black", linestyle="--", linewidth=1, label=f"HBM capacity ({cap:.1f} GiB)")
     ax.set_xlim(0, hi * 1.03)
@@ -66,11 +67,11 @@ def pareto_plot(df: pd.DataFrame, path: Path, title: str = "") -> None:
 def capacity_gib(ok: pd.DataFrame) -> float | None:
     """The HBM capacity the rows were checked against (one device per sweep unless device.* varies)."""
     if "hbm_limit_bytes" in ok and ok["hbm_limit_bytes"].notna().any():
-        return float(ok["hbm_limit_bytes"].dropna().iloc[0]) / 2**30
+        return float(ok["hbm_limit_bytes"].dropna().iloc[0]) / GIB
     over = ok[ok["over_capacity_bytes"].astype(float) > 0] if "over_capacity_bytes" in ok else ok.iloc[:0]
     if len(over):  # peak - over is the limit for any row that does not fit
         r = over.iloc[0]
-        return (float(r["max_peak_hbm_bytes"]) - float(r["over_capacity_bytes"])) / 2**30
+        return (float(r["max_peak_hbm_bytes"]) - float(r["over_capacity_bytes"])) / GIB
     return None
 
 
@@ -119,7 +120,7 @@ def print_ranked(df: pd.DataFrame, keys: list[str], top: int) -> None:
         t.add_row(str(n), *[str(r[k]) for k in keys], fmt(r.get("gpus"), ".0f"), fmt(r.get("global_batch"), ".0f"),
                   fmt(r.get("tokens_per_s_per_gpu"), ",.0f"), fmt(r["tokens_per_s"], ",.0f"),
                   fmt(r["step_time_s"], ".3g"), fmt(r["bubble_ratio"], ".1%"),
-                  fmt(r["max_peak_hbm_bytes"] / 2**30, ".1f"), fmt(r["mfu"], ".1%"),
+                  fmt(r["max_peak_hbm_bytes"] / GIB, ".1f"), fmt(r["mfu"], ".1%"),
                   fmt(r.get("freeze_speedup"), ".2f"))
     console.print(t)
 

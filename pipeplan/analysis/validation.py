@@ -104,10 +104,11 @@ class Setting:
 
     @cached_property
     def plan(self) -> Any:
-        from pipeplan.sim.memory import build_memory_plan
+        """The memory plan the step runs under, from the one resolver (memory.plan = true: the MILP's choice)."""
         from pipeplan.sim.step import resolve_schedule
+        from pipeplan.solver.step import resolve_memory_plan
 
-        return build_memory_plan(self.scenario, self.costs, resolve_schedule(self.scenario))
+        return resolve_memory_plan(self.scenario, self.costs, resolve_schedule(self.scenario)).plan
 
     @cached_property
     def result(self) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from pipeplan.common.units import GIB
 from pipeplan.lcp import ranking
 from pipeplan.lcp.bytes_baselines import MarisaTrie, NumpySorted
 from pipeplan.lcp.errors import LCPError
@@ -155,8 +156,8 @@ class Pairwise:
         if need > self.budget_bytes:
             raise LCPError(
                 f"pairwise materialisation refused: a {b}×{n} LCP matrix needs {need} bytes "
-                f"({need / 2**30:.2f} GiB) but the memory budget is {self.budget_bytes} bytes "
-                f"({self.budget_bytes / 2**30:.2f} GiB); use LCPIndex or fewer queries"
+                f"({need / GIB:.2f} GiB) but the memory budget is {self.budget_bytes} bytes "
+                f"({self.budget_bytes / GIB:.2f} GiB); use LCPIndex or fewer queries"
             )
         qw, qlen = prepare_queries(queries, query_lengths, self.scan.fmt, self.scan.words.device)
         dtype = torch.int16 if self.scan.fmt.length < 2**15 else torch.int32

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from pipeplan.common.units import GIB
 from pipeplan.lcp.errors import LCPError
 
 
@@ -23,7 +24,7 @@ def available_bytes() -> int:
 
 
 def gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / GIB:.2f} GiB"
 
 
 def check_fits(what: str, need_bytes: int, fraction: float = 0.8) -> None:

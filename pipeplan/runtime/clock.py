@@ -139,11 +139,3 @@ def aligned_actions(ranks: Sequence[dict], index: int) -> list[list[tuple]]:
     shifts = rank_shifts(ranks, index)
     return [[(a, s + sh, e + sh) for a, s, e in r["history"][index].trace.actions]
             for r, sh in zip(ranks, shifts, strict=True)]
-
-
-def align_step(t0s: Sequence[float], fits: Sequence[ClockFit], traces: Sequence[Sequence[tuple]]
-               ) -> list[list[tuple]]:
-    """One step's per-rank (item, start, end) lists, each relative to its rank's own start, moved onto the
-    common origin (see step_origins)."""
-    shifts = step_origins(t0s, fits)
-    return [[(a, s + sh, e + sh) for a, s, e in trace] for trace, sh in zip(traces, shifts, strict=True)]

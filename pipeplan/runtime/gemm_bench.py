@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from pipeplan.sim.activations import DTYPE_BYTES
-from pipeplan.sim.config import Scenario, device_presets
+from pipeplan.sim.config import Scenario
+from pipeplan.sim.devices import device_presets, recognise_preset
 from pipeplan.sim.errors import PipeplanError
 from pipeplan.sim.gemm_fit import GemmFit, Shape, fit_gemm_curve
 from pipeplan.sim.layer_ops import gemm_shapes
@@ -87,14 +88,6 @@ def _run(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, calls: int, device
     return (time.perf_counter() - t0) / calls
 
 
-def recognise_preset(device_name: str, total_bytes: int | None) -> str | None:
-    """The devices.toml preset whose family ('H100', 'A100', ...) names this CUDA device; A100s by memory."""
-    matches = [p for p in device_presets() if p.split("-")[0] in device_name]
-    if len(matches) > 1 and total_bytes is not None:  # A100-80GB or A100-40GB
-        matches = [p for p in matches if abs(device_presets()[p]["hbm_gib"] * 2**30 - total_bytes) < 20 * 2**30]
-    return matches[0] if len(matches) == 1 else None
-
-
 def profile_gemms(sc: Scenario, device: torch.device, dtype: str, max_dim: int, peak_tflops: float | None = None,
                   sm_count: int | None = None, repeats: int = 7) -> GemmProfile:
     """Time the grid on `device` and fit the curve. Peak: as given, else the recognised preset's dense bf16 peak
@@ -105,7 +98,7 @@ def profile_gemms(sc: Scenario, device: torch.device, dtype: str, max_dim: int, 
         raise PipeplanError(f"--max-dim: must be >= 64 (got {max_dim})")
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        name, preset, sms = props.name, recognise_preset(props.name, props.total_memory), props.multi_processor_count
+        name, preset, sms = props.name, recognise_preset(props.name), props.multi_processor_count
     else:
         name, preset, sms = "cpu", None, CPU_SM_COUNT
     shapes, own = grid(sc, max_dim)

@@ -9,6 +9,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# Host tiers of a step that names no device (explicit [costs]): a model-derived step takes its preset's figures
+# (sim/devices.toml). The host link is PCIe Gen4 x16, one direction: 32 GB/s (the A100 preset's host_link_gbps,
+# half the datasheet's 64 GB/s bidirectional). NVMe: 3 GB/s, a round figure under the A100 preset's 3.25 GB/s
+# per GPU (one ~6.5 GB/s PCIe Gen4 U.2 drive shared by two GPUs, devices.toml); neither is fitted to any case.
+EXPLICIT_HOST_LINK_BPS = 32e9
+EXPLICIT_NVME_BPS = 3e9
+
 
 @dataclass(frozen=True)
 class ChunkDetail:
@@ -21,11 +28,11 @@ class ChunkDetail:
     attention_activation_bytes: np.ndarray  # per layer: what selective recomputation drops
     attention_forward_s: np.ndarray  # per layer: what selective recomputation redoes
     state_bytes: dict[str, np.ndarray]  # per chunk: weights, gradients, master_weights, optimizer
-    host_link_bps: float = 32e9  # per direction, one copy engine each way
+    host_link_bps: float = EXPLICIT_HOST_LINK_BPS  # per direction, one copy engine each way
     dram_bytes: float = math.inf
-    dram_bps: float = 32e9
+    dram_bps: float = EXPLICIT_HOST_LINK_BPS  # bounded by the host link
     nvme_bytes: float = math.inf
-    nvme_bps: float = 3e9
+    nvme_bps: float = EXPLICIT_NVME_BPS
     weight_stash_bytes: np.ndarray | None = None  # per chunk and microbatch: kept from I until W (split backward)
     backward_transient_bytes: np.ndarray | None = None  # per chunk: working set while B/I runs (the loss)
     step_transient_bytes: np.ndarray | None = None  # per chunk: what the optimizer step allocates while it runs

@@ -10,12 +10,17 @@ from __future__ import annotations
 import itertools
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pipeplan.sim.devices import device_presets
 from pipeplan.sim.errors import ScenarioError
+from pipeplan.sim.field_errors import describe_validation_error
 from pipeplan.sim.limits import check_scenario_limits
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Pos = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -363,20 +368,25 @@ class FreezeConfig(_Section):
             return self
         if not self.curve:
             raise ValueError("curve: empty; give points from [0, 1] to [1, 0], e.g. [[0, 1], [1, 0]], or omit it")
-        per_chunk = isinstance(self.curve[0][0], list)
-        curves = self.curve if per_chunk else [self.curve]
+        per_chunk = _per_chunk_curves(self.curve)
+        curves = self.curve if _per_chunk_curves(self.curve) else [self.curve]
         for k, pts in enumerate(curves):
             where = f"curve (chunk {k})" if per_chunk else "curve"
-            _check_freeze_curve(where, pts)  # type: ignore[arg-type]
+            _check_freeze_curve(where, pts)
         return self
 
     def curves(self, chunks: int) -> list[list[tuple[float, float]]] | None:
         """One (ratio, share still spent) curve per chunk, or None for the linear model."""
         if self.curve is None:
             return None
-        if isinstance(self.curve[0][0], list):
-            return [[(float(x), float(y)) for x, y in pts] for pts in self.curve]  # type: ignore[misc]
-        return [[(float(x), float(y)) for x, y in self.curve]] * chunks  # type: ignore[misc]
+        if _per_chunk_curves(self.curve):
+            return [[(float(x), float(y)) for x, y in pts] for pts in self.curve]
+        return [[(float(x), float(y)) for x, y in self.curve]] * chunks
+
+
+def _per_chunk_curves(curve: list[list[float]] | list[list[list[float]]]) -> TypeIs[list[list[list[float]]]]:
+    """Whether freeze.curve is one curve per chunk (its first point is itself a list) rather than one curve."""
+    return isinstance(curve[0][0], list)
 
 
 def _check_freeze_curve(where: str, pts: list[list[float]]) -> None:
@@ -402,8 +412,8 @@ def _check_freeze_curve(where: str, pts: list[list[float]]) -> None:
 
 Tier = Literal["hbm", "dram", "nvme"]
 # sim.memory.RECOMPUTE implements exactly these
-RECOMPUTE_POLICIES = ("none", "full", "selective", "selective-op", "chronos")
-RecomputePolicy = Literal[RECOMPUTE_POLICIES]
+RecomputePolicy = Literal["none", "full", "selective", "selective-op", "chronos"]
+RECOMPUTE_POLICIES: tuple[str, ...] = get_args(RecomputePolicy)
 
 
 class MemoryConfig(_Section):
@@ -555,15 +565,10 @@ def _check_per_chunk(field: str, value: Any, chunks: int) -> None:
         )
 
 
-def device_presets() -> dict[str, dict[str, float]]:
-    with (Path(__file__).parent / "devices.toml").open("rb") as f:
-        return tomllib.load(f)
-
-
 def default_scenario_path() -> Path:
     from pipeplan.scenarios import scenario_path
 
-    return scenario_path("llama3-8b-pp4-h100")
+    return Path(scenario_path("llama3-8b-pp4-h100"))  # Path(): mypy cannot see pipeplan.scenarios
 
 
 def resolve_scenario_path(path: str | Path | None) -> Path:
@@ -575,7 +580,7 @@ def resolve_scenario_path(path: str | Path | None) -> Path:
         from pipeplan.scenarios import scenario_names, scenario_path
 
         if path.name in scenario_names():
-            return scenario_path(path.name)
+            return Path(scenario_path(path.name))
         raise ScenarioError(
             f"scenario {path}: no such file and no shipped scenario of that name; shipped: "
             f"{', '.join(scenario_names())} (pipeplan scenarios lists them)"
@@ -637,7 +642,7 @@ def parse_scenario(raw: dict[str, Any], source: str = "scenario", base_dir: Path
     try:
         return Scenario.model_validate(raw)
     except ValidationError as exc:
-        raise ScenarioError(f"{source}: {describe_validation_error(exc)}") from None
+        raise ScenarioError(f"{source}: {describe_validation_error(exc, Scenario)}") from None
 
 
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
@@ -649,67 +654,3 @@ def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
         if not isinstance(node, dict):
             raise ScenarioError(f"override {key}: {t} is not a table")
     node[leaf] = value
-
-
-def describe_validation_error(exc: ValidationError) -> str:
-    """One line for the first error: the dotted field, what is wrong and what is allowed."""
-    errors = exc.errors(include_url=False)
-    # a misspelt key explains the "missing" error that comes with it, so report unknown keys first
-    err = next((e for e in errors if e["type"] == "extra_forbidden"), None)
-    if err is None:  # of a union's failed branches, the deepest says most (a list's bad element, not "no list")
-        same = [e for e in errors if e["loc"][:2] == errors[0]["loc"][:2]]
-        err = max(same, key=lambda e: len(e["loc"]))
-    # union branches and validators appear in loc as e.g. "constrained-float" or "list[...]": not fields
-    loc = [str(p) for p in err["loc"] if not any(ch in str(p) for ch in "-[") and str(p) != "float"]
-    field = ".".join(loc) or "scenario"
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        allowed = _allowed_keys(loc[:-1])
-        return f"{field}: unknown key; allowed: {', '.join(allowed)}"
-    if kind == "missing":
-        return f"{field}: missing required key"
-    msg = err["msg"]
-    if kind == "value_error":
-        msg = msg.removeprefix("Value error, ")
-        # validators phrase their own message starting with the field they name
-        head = msg.split(":", 1)[0]
-        if "." in head or head in {"scenario"}:
-            return msg
-        return f"{'.'.join([*loc, head]) if loc else head}:{msg.split(':', 1)[1]}" if ":" in msg else msg
-    given = err.get("input")
-    shown = "" if isinstance(given, dict) else f" (got {given!r})"
-    hint = ""
-    if kind != "list_type" and any(e["type"] == "list_type" for e in same):  # the union's per-chunk list form
-        hint = f"; or a list, {_list_item(loc)} per chunk"
-    return f"{field}: {msg.lower()}{shown}{hint}"
-
-
-def _list_item(loc: list[str]) -> str:
-    """How a per-chunk list field's entries are named in a message: "one bool", "one value"."""
-    model: Any = Scenario
-    for part in loc:
-        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
-        if field is None:
-            return "one value"
-        model = field.annotation
-        inner = [a for a in getattr(model, "__args__", (model,)) if isinstance(a, type) and issubclass(a, BaseModel)]
-        model = inner[0] if inner else model
-    lists = [a for a in getattr(model, "__args__", ()) if getattr(a, "__origin__", None) is list]
-    item = lists[0].__args__[0] if lists else None
-    return "one bool" if item is bool else "one value"
-
-
-def _allowed_keys(loc: list[str]) -> list[str]:
-    model: type[BaseModel] = Scenario
-    for part in loc:
-        field = model.model_fields.get(part)
-        if field is None:
-            break
-        ann = field.annotation
-        options = getattr(ann, "__args__", (ann,))
-        inner = next((a for a in options if isinstance(a, type) and issubclass(a, BaseModel)), None)
-        if inner is None:
-            break
-        model = inner
-    return list(model.model_fields)
-

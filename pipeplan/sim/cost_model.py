@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeplan.common.units import GIB
 from pipeplan.sim.activations import DTYPE_BYTES, boundary_bytes, layer_memory, logits_bytes, sequence_divisor
 from pipeplan.sim.chunk_detail import ChunkDetail
 from pipeplan.sim.comm import Links, all_gather_s, build_links, p2p_link, tp_link
@@ -300,9 +301,9 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
         attention_forward_s=np.full(chunks, lt.attention_forward_s),
         state_bytes=states,
         host_link_bps=dev["host_link_gbps"] * 1e9,
-        dram_bytes=dev["dram_gib"] * 2**30,
+        dram_bytes=dev["dram_gib"] * GIB,
         dram_bps=dev["dram_gbps"] * 1e9,
-        nvme_bytes=dev["nvme_gib"] * 2**30,
+        nvme_bytes=dev["nvme_gib"] * GIB,
         nvme_bps=dev["nvme_gbps"] * 1e9,
         weight_stash_bytes=stash * frag,
         backward_transient_bytes=transient * frag,
@@ -321,10 +322,10 @@ def model_chunk_costs(sc: Scenario) -> ChunkCosts:
         backward_input_s=bwi,
         backward_weight_s=bww,
         activation_bytes=act * frag,
-        static_bytes=sum(states[k] for k in static_parts),
+        static_bytes=sum((states[k] for k in static_parts[1:]), start=states[static_parts[0]]),
         params=params,
         p2p_s=p2p_transfer_s(sc, links),
-        hbm_bytes=dev["hbm_gib"] * 2**30,
+        hbm_bytes=dev["hbm_gib"] * GIB,
         flops_per_microbatch=flops_mb,
         tokens_per_microbatch=b * s,
         peak_flops_per_gpu=spec.peak_flops,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from pipeplan.common.units import GIB
 from pipeplan.sim.chunk_detail import ChunkDetail
 from pipeplan.sim.config import CostsConfig, Scenario
 from pipeplan.sim.cost_model import model_chunk_costs
@@ -97,7 +98,7 @@ def _build_cost_table(sc: Scenario) -> CostTable:
             p2p_s=float(c.p2p_s),
             p2p_blocking=sc.interconnect.p2p_blocking,
             post_validation=sc.training.optimizer_post_validation,
-            hbm_bytes=c.hbm_gib * 2**30 if c.hbm_gib is not None else math.inf,
+            hbm_bytes=c.hbm_gib * GIB if c.hbm_gib is not None else math.inf,
             detail=ChunkDetail(
                 layers=np.ones(chunks),
                 layer_activation_bytes=_per_chunk(c.activation_bytes, chunks),

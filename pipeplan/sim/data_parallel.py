@@ -47,7 +47,14 @@ ADAM_STEP_BYTES = 4 + 8 + 8 + 8 + 2 + 4  # grad in, master/m/v in+out, bf16 weig
 SGD_STEP_BYTES = 4 + 8 + 4 + 2 + 4  # grad in, master in+out, momentum in+out, bf16 out, clip-norm read
 ZERO_GRAD_BYTES = 4
 FOREACH_TEMP_BYTES = 4  # torch _multi_tensor_adam: sqrt(v) temporary in fp32
-BUCKET_PARAMS = 40_000_000  # Megatron DDP: bucket_size = max(40M, 1M * dp) parameters
+BUCKET_PARAMS = 40_000_000
+"""Megatron-Core's default DDP bucket floor: bucket_size = max(40,000,000, 1,000,000 * dp) parameters
+(DistributedDataParallelConfig.bucket_size, megatron/core/distributed/distributed_data_parallel.py)."""
+
+
+def bucket_params(dp: int) -> int:
+    """Parameters per data-parallel gradient bucket at `dp` replicas (Megatron-Core's default, BUCKET_PARAMS)."""
+    return max(BUCKET_PARAMS, 1_000_000 * dp)
 
 
 @dataclass(frozen=True)
@@ -150,11 +157,10 @@ def step_tail(sc: Scenario, dev: DeviceSpec, links: Links, params: np.ndarray, b
     grads = GRAD_BYTES * p_rank
     if zero == 0:
         reduce = np.array([all_reduce_s(g, d, link) for g in grads])
-        bucket = np.array([all_reduce_s(GRAD_BYTES * min(max(BUCKET_PARAMS, 1e6 * d), pr), d, link) for pr in p_rank])
+        bucket = np.array([all_reduce_s(GRAD_BYTES * min(bucket_params(d), pr), d, link) for pr in p_rank])
     else:
         reduce = np.array([reduce_scatter_s(g, d, link) for g in grads])
-        bucket = np.array([reduce_scatter_s(GRAD_BYTES * min(max(BUCKET_PARAMS, 1e6 * d), pr), d, link)
-                           for pr in p_rank])
+        bucket = np.array([reduce_scatter_s(GRAD_BYTES * min(bucket_params(d), pr), d, link) for pr in p_rank])
     exposed = np.maximum(bucket, reduce - window) if sc.parallel.overlap_grad_reduce else reduce
     if zero3_per_microbatch(sc):
         # every B reduce-scatters its gradients inside its own bound (zero3_pass_comm_s); what follows the

@@ -34,6 +34,7 @@ import functools
 import itertools
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple
@@ -511,7 +512,7 @@ def side_chains(schedule: Schedule, mem: MemoryPlan) -> dict[int, tuple[SideTask
     prefetch) is one more entry here: the engine runs these chains and the freeze DAG adds their nodes."""
     if not mem.has_step_copies:
         return {}
-    chains = {}
+    chains: dict[int, tuple[SideTask, ...]] = {}
     for c, i in step_structure(schedule).last_backward.items():
         chains[i] = (
             SideTask(NodeKind.STEP_D2H, "step-d2h", "d2h", float(mem.step_d2h_bytes[c] / mem.host_link_bps), c),
@@ -553,7 +554,7 @@ def splits_backward(schedule: Schedule) -> bool:
     return any(a.kind is Kind.I for r in schedule.ranks for a in r)
 
 
-def _two_buffer_gates(g: GraphBuilder, nodes_of_rank, copy: str) -> None:
+def _two_buffer_gates(g: GraphBuilder, nodes_of_rank: Callable[[int], list[int]], copy: str) -> None:
     """The j-th of a rank's `nodes_of_rank` waits for the `copy` out of its (j-2)-th (two pinned buffers)."""
     st = g.structure
     for r in range(g.schedule.num_ranks):

@@ -15,8 +15,12 @@ import stat
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeplan.sim.errors import ScheduleError
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _Action
 
 
 class Kind(StrEnum):
@@ -204,7 +208,7 @@ class Schedule:
             raise ScheduleError(f"--schedule-csv {shown}: not UTF-8 text; give torch's action CSV") from None
         return cls.from_csv_text(text, name=p.stem, num_microbatches=num_microbatches)
 
-    def to_torch(self) -> dict[int, list]:
+    def to_torch(self) -> dict[int, list[_Action]]:
         """The same order as torch `_Action`s, for `_validate_schedule` and torch's schedule runtime."""
         from torch.distributed.pipelining.schedules import _Action, _ComputationType
 

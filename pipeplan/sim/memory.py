@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from pipeplan.common.units import GIB
 from pipeplan.sim.config import RECOMPUTE_POLICIES, MemoryConfig, Scenario
 from pipeplan.sim.costs import ChunkDetail, CostTable
 from pipeplan.sim.engine import SimResult, simulate
@@ -36,7 +37,6 @@ from pipeplan.sim.memory_plan import MemoryPlan, keep_everything, or_zeros
 __all__ = ["GIB", "HOST_ADAM_BYTES_PER_PARAM", "RECOMPUTE", "MemoryPlan", "activation_arrays", "build_memory_plan",
            "exposed_recompute_s", "keep_everything", "weight_offload_mask", "with_states", "with_weight_offload"]
 
-GIB = 2**30
 # Bytes of host memory traffic per parameter for one fp32 Adam step on the host: read the gradient (4), read
 # and write the master weight (8), the first moment m (8) and the second moment v (8). torch.optim.Adam's
 # update (`_single_tensor_adam`) touches exactly these four fp32 tensors; the step is memory-bound on a CPU,
@@ -126,7 +126,8 @@ if tuple(RECOMPUTE) != RECOMPUTE_POLICIES:  # the scenario schema's names (sim.c
 
 def activation_lifetimes(schedule: Schedule, costs: CostTable) -> np.ndarray:
     """Mean time per chunk from a forward's end to its backward's start, in a keep-everything simulation."""
-    return hbm_waits(simulate(schedule, costs)).mean(axis=1)
+    life: np.ndarray = hbm_waits(simulate(schedule, costs)).mean(axis=1)
+    return life
 
 
 def hbm_waits(result: SimResult) -> np.ndarray:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeplan.sim.chunk_detail import EXPLICIT_HOST_LINK_BPS, EXPLICIT_NVME_BPS
 from pipeplan.sim.costs import CostTable
 
 
@@ -25,8 +26,8 @@ class MemoryPlan:
     prefetch_lookahead: int = 2
     hbm_limit_bytes: float = float("inf")  # capacity - margin
     policy: tuple[str, ...] = ()  # per chunk, for reports
-    host_link_bps: float = 32e9
-    nvme_bps: float = 3e9
+    host_link_bps: float = EXPLICIT_HOST_LINK_BPS  # sim.memory.with_states sets the cost table's figures
+    nvme_bps: float = EXPLICIT_NVME_BPS
     stash_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per chunk: held from I end to W end
     step_transient_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per chunk, during the step
     # per chunk: bf16 working weights that leave HBM in the chunk's idle windows (sim.graph.weight_windows); 0 keeps

@@ -27,15 +27,14 @@
 
 from __future__ import annotations
 
+from pipeplan.common.units import MIB
 from pipeplan.sim.activations import DTYPE_BYTES
 from pipeplan.sim.config import Scenario
-from pipeplan.sim.data_parallel import effective_zero, zero3_gather_bytes, zero3_reshards
+from pipeplan.sim.data_parallel import bucket_params, effective_zero, zero3_gather_bytes, zero3_reshards
 
-MIB = 2**20
 NCCL_BUFFSIZE_BYTES = 4 * MIB  # NCCL_BUFFSIZE default
 NCCL_CHANNELS = 16
 CUBLAS_STREAMS = 2  # compute + communication stream each get a cuBLAS workspace
-BUCKET_PARAMS = 40_000_000  # Megatron DDP bucket: max(40M, 1M * dp) parameters
 
 
 def nccl_communicators(sc: Scenario) -> int:
@@ -56,7 +55,7 @@ def runtime_bytes(sc: Scenario, dev: dict[str, float], layer_params: float, root
     zero, dp = effective_zero(sc), sc.parallel.dp
     e = DTYPE_BYTES[sc.training.dtype]
     if zero >= 2 and dp > 1:
-        total += 4 * max(BUCKET_PARAMS, 1_000_000 * dp)
+        total += 4 * bucket_params(dp)  # one fp32 gradient bucket
     if zero3_reshards(sc):
         # with a pipeline every weight stays gathered and every gradient unsharded for the step, which
         # sim.cost_model.state_bytes_per_param counts: no per-layer buffers on top

@@ -96,9 +96,10 @@ def simulation_summary(result: SimResult) -> dict[str, Any]:
         out["rank_span_s"] = [float(x) for x in result.rank_span_s]
     if result.stall_s is not None and result.stall_s.any():
         out["offload_stall_s"] = [float(x) for x in result.stall_s]
-    if result.peak_dram_bytes is not None and (result.peak_dram_bytes.any() or result.peak_nvme_bytes.any()):
-        out["peak_dram_bytes"] = [float(x) for x in result.peak_dram_bytes]
-        out["peak_nvme_bytes"] = [float(x) for x in result.peak_nvme_bytes]
+    dram, nvme = result.peak_dram_bytes, result.peak_nvme_bytes  # the engine sets both or neither
+    if dram is not None and nvme is not None and (dram.any() or nvme.any()):
+        out["peak_dram_bytes"] = [float(x) for x in dram]
+        out["peak_nvme_bytes"] = [float(x) for x in nvme]
     if result.oom:
         worst = max(result.oom_events, key=lambda e: e.excess_bytes)
         out["oom_detail"] = {

@@ -43,7 +43,8 @@ def apf_like_ratios(dag: FreezeDag, budget: float, cap: float, max_ratio: float)
     for _ in range(100):  # mean(min(k u, top)) is continuous and non-decreasing in k
         k = (lo + hi) / 2
         lo, hi = (k, hi) if np.minimum(k * u, top).mean() < budget else (lo, k)
-    return np.minimum(hi * u, top)
+    ratios: np.ndarray = np.minimum(hi * u, top)
+    return ratios
 
 
 def autofreeze_like_ratios(dag: FreezeDag, budget: float, cap: float, max_ratio: float) -> np.ndarray:

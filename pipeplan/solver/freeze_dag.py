@@ -146,13 +146,16 @@ class FreezeDag:
     def durations(self, ratio: np.ndarray) -> np.ndarray:
         """(n_freezable,) durations at freeze ratios `ratio`: linear, or through each chunk's curve."""
         lo, hi = self.w_min[self.freezable], self.w_max[self.freezable]
+        out: np.ndarray
         if self.curves is None:
-            return hi - (hi - lo) * ratio
+            out = hi - (hi - lo) * ratio
+            return out
         share = np.empty_like(ratio)
         for k, (s, r) in enumerate(zip(self.freezable_stage, ratio, strict=True)):
             xs, ys = zip(*self.curves[s], strict=True)
             share[k] = np.interp(r, xs, ys)
-        return lo + (hi - lo) * share
+        out = lo + (hi - lo) * share
+        return out
 
 
 def freeze_bounds(costs: CostTable, freeze: FreezeConfig) -> tuple[np.ndarray, np.ndarray]:

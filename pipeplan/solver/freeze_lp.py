@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,7 +102,7 @@ def solve_freeze_lp(dag: FreezeDag, cap: float, max_ratio: float = 1.0, crash: b
 
     asap = dag.earliest_starts(dag.w_max)  # None: the graph has a cycle
     crash = crash and asap is not None and dag.curves is None  # the curve's d columns need their own basis
-    if crash:
+    if crash and asap is not None:  # crash implies asap; the type checker needs it said
         guess = _least_float_freezing(dag, asap, cap, max_ratio)
         guess_dur = dag.node_durations(guess)
         guess_asap = dag.earliest_starts(guess_dur)
@@ -187,7 +188,10 @@ def _build(dag: FreezeDag, cap: float, max_ratio: float, tau: float) -> _Model:
     lp.add_rows(-np.inf, cap * counts, chunk_row, r, np.ones(nf), num_rows=len(chunks))  # cap
 
     if d is not None:  # curve epigraph: d_a - Δ_a β_k r_a >= w_a + Δ_a α_k
-        rows_, cols_, vals_, lo_ = [], [], [], []
+        rows_: list[np.ndarray] = []
+        cols_: list[np.ndarray] = []
+        vals_: list[np.ndarray] = []
+        lo_: list[np.ndarray] = []
         for alpha, beta, members in _segments(dag, stage):
             rr = sum(len(x) for x in lo_) + np.arange(len(members))
             rows_ += [rr, rr]
@@ -225,7 +229,9 @@ def _thaw(dag: FreezeDag, ratio: np.ndarray, makespan: float) -> np.ndarray:
     allows without lengthening the step past `makespan` (seconds), latest actions first. Only chooses
     stage 2's starting basis: its ASAP tree is much nearer stage 2's optimal basis than the unfrozen one."""
     dur = dag.node_durations(ratio)
-    start, _ = dag.earliest_starts(dur)
+    asap = dag.earliest_starts(dur)
+    assert asap is not None  # the graph the caller's ASAP pass ran on, other durations
+    start, _ = asap
     slot = np.full(dag.n_nodes, -1, dtype=np.int64)
     slot[dag.freezable] = np.arange(len(dag.freezable))
     slot_l, hi, lo, es, d = slot.tolist(), dag.w_max.tolist(), dag.w_min.tolist(), start.tolist(), dur.tolist()
@@ -238,7 +244,7 @@ def _thaw(dag: FreezeDag, ratio: np.ndarray, makespan: float) -> np.ndarray:
         if k >= 0 and r[k] > 0 and room > 0 and hi[v] > lo[v]:
             d[v] = min(hi[v], d[v] + room)
             r[k] = (hi[v] - d[v]) / (hi[v] - lo[v])
-        return d[v]
+        return float(d[v])
 
     dag.latest_finishes(dur, makespan, settle)
     return np.asarray(r)
@@ -301,7 +307,7 @@ def _critical_freezable(
     return np.asarray(out, dtype=np.int64)
 
 
-def _segments(dag: FreezeDag, stage: np.ndarray):
+def _segments(dag: FreezeDag, stage: np.ndarray) -> Iterator[tuple[float, float, np.ndarray]]:
     """(α, β, freezable slots) per segment of each chunk's curve: c(r) >= α + β r on that segment's line."""
     assert dag.curves is not None
     for s in np.unique(stage):

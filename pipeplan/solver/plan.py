@@ -72,7 +72,7 @@ class FreezePlan:
     uniform_at_cap: BaselineResult | None = None  # every freezable action at min(cap, max_ratio)
     uniform_ratio_to_match: float | None = None  # least uniform ratio reaching the LP's makespan
     order_rounds: int = 1  # LP solves until the copy engines' order was stable (1 without offload)
-    memory_summary: dict = field(default_factory=dict)  # the memory MILP's record (memory.plan = true)
+    memory_summary: dict[str, Any] = field(default_factory=dict)  # the memory MILP's record (memory.plan = true)
 
     @property
     def cap(self) -> float:

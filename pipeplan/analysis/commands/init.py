@@ -18,8 +18,8 @@ MODEL_TEMPLATE = '''# A pipeplan scenario: one training step of a LLaMA-style mo
 [pipeline]
 stages = 4                 # required: pipeline ranks (GPUs per pipeline, times tp below)
 microbatches = 8           # required: microbatches per step per pipeline replica
-schedule = "1f1b"          # gpipe | 1f1b | interleaved-1f1b | zb-h1 | zbv | v-half | chronos
-# virtual_stages = 1       # chunks per rank; default: what the schedule takes (zbv, v-half, interleaved: 2)
+schedule = "1f1b"          # {schedules}
+# virtual_stages = 1       # chunks per rank; default: the schedule's ({multi_chunk})
 
 [model]                    # Meta Llama 3 8B (config.json of meta-llama/Meta-Llama-3-8B)
 name = "llama3-8b"
@@ -33,7 +33,7 @@ seq_len = 8192
 
 [training]
 micro_batch_size = 1       # sequences per microbatch
-dtype = "bf16"             # bf16 | fp16 | fp32
+dtype = "bf16"             # {dtypes}
 optimizer = "adam"         # adam | sgd
 distributed_optimizer = false   # ZeRO-1: shard master weights and optimizer state over dp
 
@@ -42,7 +42,7 @@ tp = 1                     # tensor-parallel GPUs per pipeline rank
 dp = 1                     # pipeline replicas (data parallel)
 
 [device]
-preset = "H100-SXM-80GB"   # H100-SXM-80GB | H100-HBM2e-96GB-500W | H200-141GB | A100-80GB | A100-40GB
+preset = "H100-SXM-80GB"   # {presets}
 # hbm_gib = 79.6           # override any preset figure: peak_tflops, efficiency, hbm_gib, hbm_gbps, ...
 
 [interconnect]
@@ -51,7 +51,7 @@ p2p_latency_us = 10.0
 tp_gbps = 450.0            # inside a tensor-parallel group (NVLink)
 
 [memory]
-recompute = "selective-op" # none | full | selective | selective-op | chronos; torchtitan's 8B default
+recompute = "selective-op" # {recompute}; torchtitan's 8B default
                            # (op-level selective checkpointing); with "none" rank 0 needs ~87 GiB of 80
 offload_activations = 0.0  # share of saved activations moved to host memory between forward and backward
 hbm_margin_gib = 0.0       # kept free for the allocator and communication buffers
@@ -67,7 +67,7 @@ COSTS_TEMPLATE = '''# A pipeplan scenario with explicit per-chunk costs,
 [pipeline]
 stages = 4                 # required: pipeline ranks
 microbatches = 8           # required
-schedule = "1f1b"          # gpipe | 1f1b | interleaved-1f1b | zb-h1 | zbv | v-half | chronos
+schedule = "1f1b"          # {schedules}
 # virtual_stages = 1       # chunks per rank; default: what the schedule takes
 
 [costs]                    # per chunk (stages x virtual_stages): a scalar, or a list with one value per chunk
@@ -79,6 +79,28 @@ p2p_s = 0.0                # one activation or gradient between two ranks
 static_bytes = 0.0         # weights, gradients and optimizer state of each chunk
 # hbm_gib = 80.0           # capacity per rank; omitted: unbounded (nothing is checked)
 '''
+
+
+def template(costs: bool) -> str:
+    """The template with its lists of names read from the registries (schedules, presets, policies, dtypes)."""
+    from typing import get_args
+
+    from pipeplan.sim.config import RECOMPUTE_POLICIES, TrainingConfig
+    from pipeplan.sim.devices import load_presets
+    from pipeplan.sim.schedules import SCHEDULES, schedule_names
+
+    chunks: dict[int, list[str]] = {}
+    for name in schedule_names():
+        if SCHEDULES[name].virtual_stages > 1:
+            chunks.setdefault(SCHEDULES[name].virtual_stages, []).append(name)
+    names = {
+        "schedules": " | ".join(schedule_names()),
+        "multi_chunk": "; ".join(f"{', '.join(n)}: {v}" for v, n in chunks.items()) + "; others: 1",
+        "dtypes": " | ".join(get_args(TrainingConfig.model_fields["dtype"].annotation)),
+        "presets": " | ".join(load_presets()),
+        "recompute": " | ".join(RECOMPUTE_POLICIES),
+    }
+    return (COSTS_TEMPLATE if costs else MODEL_TEMPLATE).format(**names)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +116,6 @@ def run(args: argparse.Namespace) -> int:
         raise PipeplanError(f"init {path}: already exists; give a new path")
     if not path.parent.is_dir():
         raise PipeplanError(f"init {path}: folder {path.parent} does not exist")
-    atomic_write_text(path, COSTS_TEMPLATE if args.costs else MODEL_TEMPLATE)
+    atomic_write_text(path, template(args.costs))
     print(f"wrote {path}; next: pipeplan show {path}  ·  pipeplan simulate {path}")
     return 0

@@ -17,6 +17,8 @@ import io
 import math
 import time
 
+from pipeplan.common.units import GIB
+
 HELP = "exact top-k longest-common-prefix retrieval: build, query and benchmark an LCP index"
 
 
@@ -190,7 +192,7 @@ def _bench(args: argparse.Namespace) -> int:
         "scan_repeats": args.scan_repeats, "trie_max_n": args.trie_max_n, "pairwise_max_n": args.pairwise_max_n,
         "device": args.device, "seed": args.seed, "reuse_out": args.reuse_out,
         "methods": tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods else None,
-        "pairwise_budget_bytes": int(args.pairwise_budget_gib * 2**30) if args.pairwise_budget_gib else None,
+        "pairwise_budget_bytes": int(args.pairwise_budget_gib * GIB) if args.pairwise_budget_gib else None,
     }  # fmt: skip
     chosen.update({key: value for key, value in given.items() if value is not None})
     if chosen["length"] > MAX_LENGTH:

@@ -23,6 +23,7 @@ from pipeplan.analysis.commands.simulate import add_schedule_arguments, scenario
 from pipeplan.analysis.console import busy
 from pipeplan.analysis.outputs import add_force_argument, output_folder
 from pipeplan.common.io import short_path
+from pipeplan.common.units import GIB
 from pipeplan.runtime.config import FREEZE_MODES, RunConfig
 from pipeplan.sim.config import RECOMPUTE_POLICIES
 from pipeplan.sim.errors import PipeplanError
@@ -237,8 +238,8 @@ def check_host_memory(scenario: Scenario, cfg: RunConfig, local_share: float) ->
     free = host_memory_available()
     if free is not None and need > free:
         raise PipeplanError(
-            f"{scenario.model.name} on the CPU: its ranks need at least {need / 2**30:.1f} GiB (fp32 weights, "
-            f"gradients, optimizer state), {free / 2**30:.1f} GiB is free; run tiny-cpu here, or --device cuda")
+            f"{scenario.model.name} on the CPU: its ranks need at least {need / GIB:.1f} GiB (fp32 weights, "
+            f"gradients, optimizer state), {free / GIB:.1f} GiB is free; run tiny-cpu here, or --device cuda")
 
 
 def check_data_file(path: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pipeplan.sim.errors import ScheduleError
 from pipeplan.sim.ir import Schedule
@@ -17,8 +17,16 @@ from pipeplan.sim.ir import Schedule
 if TYPE_CHECKING:
     from pipeplan.sim.schedules.v_shape import ActionTimes
 
-ScheduleBuilder = Callable[[int, int, int], Schedule]
+ScheduleBuilder = Callable[[int, int, int], Schedule]  # (p, m, v) -> the order
 SizeCheck = Callable[[int, int, int], str | None]  # returns why (p, m, v) is not allowed, or None
+
+
+class CappedScheduleBuilder(Protocol):
+    """A builder that also takes an admission cap, a stash limit and a list clock (pipeline.*); called with
+    (p, m, v) alone it builds its default order, so it is a ScheduleBuilder too."""
+
+    def __call__(self, p: int, m: int, v: int, admission_cap: int | None = None, stash_limit: int | None = None,
+                 times: ActionTimes | None = None, /) -> Schedule: ...
 
 
 @dataclass(frozen=True)
@@ -29,23 +37,44 @@ class ScheduleSpec:
     summary: str
     virtual_stages: int = 1  # the v it is usually run with (sweeps, tests)
     sweep: bool = False  # one of the schedules `pipeplan plan --sweep-cap` compares
-    takes_cap: bool = False  # its builder takes an admission cap, a stash limit and a list clock (pipeline.*)
+    build_capped: CappedScheduleBuilder | None = None  # `build` again, for schedules registered with register_capped
+
+    @property
+    def takes_cap(self) -> bool:
+        """Its builder takes an admission cap, a stash limit and a list clock (pipeline.*)."""
+        return self.build_capped is not None
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {}
 
 
+def _add(spec: ScheduleSpec) -> None:
+    """Put `spec` in the registry; a name already taken is refused (two modules would shadow each other)."""
+    if spec.name in SCHEDULES:
+        raise ValueError(f"schedule {spec.name!r} is registered twice ({SCHEDULES[spec.name].build.__module__} "
+                         f"and {spec.build.__module__})")
+    SCHEDULES[spec.name] = spec
+
+
 def register(
     name: str, check: SizeCheck, summary: str, *, virtual_stages: int = 1, sweep: bool = False,
-    takes_cap: bool = False,
 ) -> Callable[[ScheduleBuilder], ScheduleBuilder]:
-    """Register a generator under `name`; a name already taken is refused (two modules would shadow each other)."""
+    """Register a (p, m, v) generator under `name`."""
 
     def deco(fn: ScheduleBuilder) -> ScheduleBuilder:
-        if name in SCHEDULES:
-            raise ValueError(f"schedule {name!r} is registered twice ({SCHEDULES[name].build.__module__} and "
-                             f"{fn.__module__})")
-        SCHEDULES[name] = ScheduleSpec(name, fn, check, summary, virtual_stages, sweep, takes_cap)
+        _add(ScheduleSpec(name, fn, check, summary, virtual_stages, sweep))
+        return fn
+
+    return deco
+
+
+def register_capped(
+    name: str, check: SizeCheck, summary: str, *, virtual_stages: int = 1, sweep: bool = False,
+) -> Callable[[CappedScheduleBuilder], CappedScheduleBuilder]:
+    """Register under `name` a generator that also takes pipeline.admission_cap, stash_limit and order_timing."""
+
+    def deco(fn: CappedScheduleBuilder) -> CappedScheduleBuilder:
+        _add(ScheduleSpec(name, fn, check, summary, virtual_stages, sweep, build_capped=fn))
         return fn
 
     return deco
@@ -81,7 +110,7 @@ def build_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int
         raise ScheduleError(f"pipeline: schedule {name!r} {why}")
     if admission_cap is None and stash_limit is None and times is None:
         return spec.build(ranks, microbatches, virtual_stages).validate()
-    if not spec.takes_cap:
+    if spec.build_capped is None:
         key, what = next((k, w) for k, w, given in (
             ("admission_cap", "activation cap", admission_cap), ("stash_limit", "W stash limit", stash_limit),
             ("order_timing", "cost-timed order (its order is fixed)", times)) if given is not None)
@@ -89,7 +118,7 @@ def build_schedule(name: str, ranks: int, microbatches: int, virtual_stages: int
         leave = 'set it to "unit"' if key == "order_timing" else "leave it out"
         raise ScheduleError(f"pipeline.{key}: schedule {name!r} has no {what} ({leave}); "
                             f"schedules that take one: {', '.join(takers)}")
-    return spec.build(ranks, microbatches, virtual_stages, admission_cap, stash_limit, times).validate()
+    return spec.build_capped(ranks, microbatches, virtual_stages, admission_cap, stash_limit, times).validate()
 
 
 def default_virtual_stages(name: str) -> int:

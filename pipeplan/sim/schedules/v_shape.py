@@ -50,7 +50,7 @@ from functools import lru_cache
 
 from pipeplan.sim.errors import ScheduleError
 from pipeplan.sim.ir import Action, Kind, Schedule
-from pipeplan.sim.schedules import exact_virtual_stages, register
+from pipeplan.sim.schedules import exact_virtual_stages, register, register_capped
 
 CHRONOS_SLOWDOWN = 0.05  # chronos may run this much slower than the uncapped schedule (on the list clock)
 
@@ -248,12 +248,11 @@ def chronos_plan(p: int, m: int, v: int, slowdown: float = CHRONOS_SLOWDOWN, tim
     return v * m, uncapped
 
 
-@register(
+@register_capped(
     "chronos",
     _check_chronos,
     "zig-zag over v >= 2 (even) chunks, backward first, smallest memory cap within 5% of uncapped step time",
     virtual_stages=2,
-    takes_cap=True,
 )
 def build_chronos(p: int, m: int, v: int, admission_cap: int | None = None, stash_limit: int | None = None,
                   times: ActionTimes | None = None) -> Schedule:
