@@ -16,7 +16,7 @@ from pipeplan.sim.errors import ScheduleError
 from pipeplan.sim.memory_plan import keep_everything
 from pipeplan.sim.schedules import SCHEDULES, build_schedule, schedule_names
 from tests.conftest import make_costs
-from tests.reference_step import reference_step
+from tests.reference_step import Offload, reference_step
 
 
 @st.composite
@@ -70,3 +70,28 @@ def test_the_reference_reproduces_a_hand_computed_queue():
         "1F0": (2.5, 3.5), "1B0": (3.5, 5.5), "1F1": (5.5, 6.5), "1B1": (6.5, 8.5),
     }  # fmt: skip
     assert simulate(sched, costs).makespan_s == ref.makespan == 12
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(steps(), st.integers(0, 2**32 - 1), st.integers(1, 4))
+def test_engine_offload_matches_the_independent_reference(step, seed, lookahead):
+    """Activation offload on the copy engines: pinned buffers, prefetch issue points, FIFO streams."""
+    sched, costs, _ = step
+    rng = np.random.default_rng(seed)
+    act = costs.activation_bytes
+    off = act * rng.uniform(0.1, 0.9, len(act))
+    bandwidth = float(rng.uniform(0.3, 3.0))  # copies from a fraction of a forward to several
+    plan = replace(keep_everything(costs), offload_bytes=off, host_link_bps=bandwidth, prefetch_lookahead=lookahead)
+    res = simulate(sched, costs, memory=plan)
+    ref = reference_step(sched, costs.forward_s, costs.backward_input_s, costs.backward_weight_s, act,
+                         np.zeros(len(act)), costs.p2p_s, costs.p2p_blocking,
+                         Offload(sched, act, off, bandwidth, lookahead))
+    engine = {f"{s}{kd}{mb}": (b, e) for s, kd, mb, b, e in
+              zip(res.stage, res.kind, res.microbatch, res.start_s, res.end_s, strict=True)}
+    for a in ref.start:
+        assert engine[str(a)] == pytest.approx((ref.start[a], ref.end[a]), rel=1e-9, abs=1e-9), a
+    assert res.makespan_s == pytest.approx(ref.makespan, rel=1e-9, abs=1e-12)
+    assert list(res.stall_s) == pytest.approx(ref.stall, rel=1e-9, abs=1e-9)
+    assert list(res.peak_hbm_bytes) == pytest.approx(ref.peak_hbm, rel=1e-9, abs=1e-9)
+    order = {key: [f"{what} {x}" for what, x in items] for key, items in res.copy_order().items()}
+    assert order == ref.copies
