@@ -13,8 +13,8 @@ A MemoryPlan (sim/memory.py) changes what F keeps, adds recomputation time and w
 offload with stream semantics: each rank has one copy engine per direction (SimPy resources, FIFO).
 Every forward queues a device-to-host copy of its offloaded part (possibly empty) and the part leaves HBM
 when the copy ends; a forward may not start while more than one earlier copy is unfinished (bounded pinned
-buffers). Every backward queues a host-to-device prefetch when the rank starts the action
-`prefetch_lookahead` places before it; the prefetch waits for its copy out, allocates HBM when it starts,
+buffers, sim.copy_rules.PINNED_BUFFERS). Every backward queues a host-to-device prefetch when the rank starts
+the action `prefetch_lookahead` places before it; the prefetch waits for its copy out, allocates HBM when it starts,
 and the backward waits for it. Time a rank waits on copies is reported as stall. Model states off HBM add
 the optimizer step's copies after each chunk's last backward. Weight offload (sim.graph.weight_windows):
 an offloading chunk's weights leave HBM when the action that opens a window ends (the host keeps their
@@ -31,6 +31,12 @@ when it starts; the W waits for it. With memory.copy_granularity = "layer" both 
 layer (sim.graph.LayerCopy): a copy out is queued when its producer's first layer is done and ends no
 earlier than its last piece can, and a consumer starts once its prefetch has, as early as the pieces it
 needs first and last allow.
+
+This module is the event loop; the rules it runs come from sim/graph.py (what waits for what) and
+sim/copy_rules.py (streams, copy kinds, PINNED_BUFFERS, the prefetch window), and its collaborators each hold
+one part of the state: Links (below), sim/ledger.py (HbmLedger, HostLedger, Residency: memory),
+sim/copy_engines.py (the FIFO streams and their log) and sim/offloads.py (which copies happen when, and the
+waits they impose); sim/results.py holds what a step returns.
 """
 
 from __future__ import annotations
@@ -150,26 +156,36 @@ class _StepSimulation:
 
     # ---- the ranks -----------------------------------------------------------------------------------------
     def _rank_process(self, rank: int) -> Generator:
+        env, end, offloads = self.env, self.end, self.offloads
         for i in self.st.rank_nodes(rank):
-            ready = yield from self._inputs(i, rank)
-            if self.offloads.copying:
-                ready = yield from self.offloads.before(i, rank, ready)
-            yield from self._compute(i, rank, ready)
-            if self.costs.p2p_blocking and self.arrive[i] > self.env.now:  # the sender waits for its send
-                self.p2p_wait[rank] += self.arrive[i] - self.env.now
-                yield self.env.timeout(self.arrive[i] - self.env.now)
+            free = env.now
+            for j, _ in self.st.deps[i]:
+                if end[j] is None:  # an event only for a producer that has not finished yet
+                    yield self._waiter(j)
+            ready = self._inputs_ready(i, rank, free)
+            if offloads.copying:
+                ready = yield from offloads.before(i, rank, ready)
+            self._begin(i, rank, ready)
+            wait = ready - env.now + self.duration[i]
+            if wait > 0:
+                yield env.timeout(wait)
+            self._end(i, rank)
+            if self.costs.p2p_blocking and self.arrive[i] > env.now:  # the sender waits for its send
+                self.p2p_wait[rank] += self.arrive[i] - env.now
+                yield env.timeout(self.arrive[i] - env.now)
 
-    def _inputs(self, i: int, rank: int) -> Generator:
-        """Wait until every input of node i has been computed; returns when the last has arrived. Waiting that
-        only the transfer explains is exposed communication (p2p_wait)."""
-        env, end, arrive = self.env, self.end, self.arrive
-        ready = produced = env.now  # produced: when the rank is free and every input has been computed
+    def _waiter(self, j: int) -> simpy.Event:
+        waiter = self.waiters.get(j)
+        if waiter is None:
+            waiter = self.waiters[j] = self.env.event()
+        return waiter
+
+    def _inputs_ready(self, i: int, rank: int, free: float) -> float:
+        """When node i's inputs are all on its rank, the rank free since `free`. Waiting that only the transfer
+        explains is exposed communication (p2p_wait)."""
+        end, arrive = self.end, self.arrive
+        ready = produced = free  # produced: when the rank is free and every input has been computed
         for j, via in self.st.deps[i]:
-            if end[j] is None:
-                waiter = self.waiters.get(j)
-                if waiter is None:
-                    waiter = self.waiters[j] = env.event()
-                yield waiter
             t = arrive[j] if via else end[j]
             if t > ready:
                 ready = t
@@ -179,21 +195,26 @@ class _StepSimulation:
             self.p2p_wait[rank] += ready - produced
         return ready
 
-    def _compute(self, i: int, rank: int, ready: float) -> Generator:
-        """Run node i from `ready`: its memory at start and end, its result onto its link, its copies."""
-        env, dur = self.env, self.duration[i]
-        self.residency.at_start(self.hbm, rank, i, ready)
+    def _begin(self, i: int, rank: int, ready: float) -> None:
+        """Node i starts at `ready`: what it allocates (Residency), a layer-wise copy out."""
+        delta = self.residency.at_start[i]
+        if delta is not None:
+            self.hbm.allocate(rank, delta, ready, self.st.actions[i])
         self.start[i] = ready
-        self.offloads.at_start(i, rank)
-        wait = ready - env.now + dur
-        if wait > 0:
-            yield env.timeout(wait)
-        self.residency.at_end(self.hbm, rank, i, env.now)
-        self.busy[rank] += dur
+        if self.offloads.layered:
+            self.offloads.at_start(i, rank)
+
+    def _end(self, i: int, rank: int) -> None:
+        """Node i ends now: what it frees, its result onto its link, its copies out and side chains."""
+        delta = self.residency.at_end[i]
+        if delta is not None:
+            self.hbm.allocate(rank, delta, self.env.now, self.st.actions[i])
+        self.busy[rank] += self.duration[i]
         self.progress[rank] += 1
         self.finished.append(i)
         self._finish(i, rank)
-        self.offloads.after(i, rank)
+        if self.offloads.follows:
+            self.offloads.after(i, rank)
 
     def _finish(self, i: int, rank: int) -> None:
         """Record i's end, start its transfer over the FIFO link, wake whoever waits for it."""

@@ -81,39 +81,35 @@ class HbmLedger:
 
 
 class Residency:
-    """What each action keeps in HBM (MemoryPlan): F allocates its kept activations (and what it leaves until
-    the step's end) when it starts; B or I frees its F's when it ends, an I keeping its W stash until W; B/I
-    hold their working set while they run; the optimizer step holds its transient and returning weights."""
+    """What each action keeps in HBM (MemoryPlan), as per-node changes: F allocates its kept activations (and
+    what it leaves until the step's end) when it starts; B or I frees its F's when it ends, an I keeping its W
+    stash until W; B/I hold their working set while they run; the optimizer step holds its transient and
+    returning weights. None: the node changes nothing then (no record)."""
 
     def __init__(self, mem: MemoryPlan, actions: tuple[Action, ...], forward_of: list[int], n_stages: int,
                  step_transient: list[float], step_weights: list[float]):
-        self.actions, self.forward_of = actions, forward_of
-        self.kept = [float(mem.kept_bytes[a.stage]) for a in actions]
-        self.transient = mem.transient_bytes.tolist()
-        self.stash = or_zeros(mem.stash_bytes, n_stages).tolist()
+        kept = [float(mem.kept_bytes[a.stage]) for a in actions]
+        transient = mem.transient_bytes.tolist()
+        stash = or_zeros(mem.stash_bytes, n_stages).tolist()
         # what a forward / a backward leaves behind until the step ends (torch pipelining's stage outputs and
         # input gradients, sim/p2p_buffers.py)
         self.f_left = or_zeros(mem.forward_retained_bytes, n_stages).tolist()
         self.b_left = or_zeros(mem.backward_retained_bytes, n_stages).tolist()
+        self.at_start: list[float | None] = [None] * len(actions)  # per node: HBM change as it starts
+        self.at_end: list[float | None] = [None] * len(actions)  # and as it ends
+        for i, a in enumerate(actions):
+            s = a.stage
+            if a.kind is Kind.F:
+                self.at_start[i] = kept[i] + self.f_left[s]
+            elif a.kind in BACKWARD_KINDS:
+                if transient[s] > 0:
+                    self.at_start[i] = float(transient[s])
+                # a split backward's I keeps what its W needs (inputs of the weight GEMMs, output gradients)
+                self.at_end[i] = (stash[s] if a.kind is Kind.I else 0.0) + self.b_left[s] - kept[forward_of[i]] \
+                    - float(transient[s])
+            elif a.kind is Kind.W and stash[s]:
+                self.at_end[i] = -stash[s]
         self.step_transient, self.step_weights = step_transient, step_weights
-
-    def at_start(self, hbm: HbmLedger, rank: int, i: int, at: float) -> None:
-        a = self.actions[i]
-        if a.kind is Kind.F:
-            hbm.allocate(rank, self.kept[i] + self.f_left[a.stage], at, a)
-        elif a.kind in BACKWARD_KINDS and self.transient[a.stage] > 0:
-            hbm.allocate(rank, float(self.transient[a.stage]), at, a)
-
-    def at_end(self, hbm: HbmLedger, rank: int, i: int, at: float) -> None:
-        a = self.actions[i]
-        stage = a.stage
-        if a.kind in BACKWARD_KINDS:
-            # a split backward's I keeps what its W needs (inputs of the weight GEMMs, output gradients)
-            stash = self.stash[stage] if a.kind is Kind.I else 0.0
-            hbm.allocate(rank, stash + self.b_left[stage] - self.kept[self.forward_of[i]]
-                         - float(self.transient[stage]), at, a)
-        elif a.kind is Kind.W and self.stash[stage]:
-            hbm.allocate(rank, -self.stash[stage], at, a)
 
     def optimizer_step(self, hbm: HbmLedger, rank: int, last: float, end: float) -> None:
         """From the rank's last action to `end`: the step's transient memory, with the offloaded weights a GPU

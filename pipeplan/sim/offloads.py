@@ -93,6 +93,8 @@ class Offloads:
         self.granted: dict[int, simpy.Event] = {}  # layer-wise consumer -> its prefetch has started
         self.fetch_span: dict[int, tuple[float, float]] = {}  # consumer -> its prefetch's (start, end)
         self.side_chains = side_chains(schedule, mem)  # work that follows an action off the compute stream
+        self.layered = any(lc is not None for fl in self.flavors.values() for lc in fl.layered)  # copies out at start
+        self.follows = bool(self.flavors or self.side_chains or weights.release)  # something may follow an action
 
     def _flavors(self, n_ranks: int) -> dict[Kind, Flavor]:
         mem, actions = self.mem, self.st.actions
