@@ -34,11 +34,14 @@ from pipeplan.runtime.p2p import P2P, Message, input_message
 from pipeplan.runtime.split_backward import WeightGradStore
 from pipeplan.runtime.streams import CopyStream
 from pipeplan.runtime.weight_offload import WeightOffload
+from pipeplan.sim.config import MemoryConfig
+from pipeplan.sim.copy_rules import prefetch_window
 from pipeplan.sim.ir import Action, Kind, Schedule
 
 LOOKAHEAD = 2  # receives posted for this many upcoming actions
-PREFETCH_ACTIONS = 2  # default: a backward's offloaded activations are fetched when the rank starts the action
-# this many places before it (memory.prefetch_lookahead; sim.graph.prefetch_issuer's rule)
+# default: a backward's offloaded activations are fetched when the rank starts the action this many places
+# before it (the scenario's memory.prefetch_lookahead default; sim.copy_rules.prefetch_window's rule)
+PREFETCH_ACTIONS: int = MemoryConfig.model_fields["prefetch_lookahead"].default
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> torch.autocast:
@@ -208,9 +211,9 @@ class PipelineExecutor:
         return trace
 
     def _prefetch_stash(self, i: int) -> None:
-        """Bring back the offloaded W stash of the W's at most `lookahead` actions from action i (the same rule
-        as activations'), on the copy stream."""
-        for a in self.actions[i : i + self.lookahead + 1]:
+        """Bring back the offloaded W stash of the W's due as action i starts (sim.copy_rules.prefetch_window,
+        as for activations), on the copy stream."""
+        for a in self.actions[prefetch_window(i, self.lookahead)]:
             key = (a.stage, a.microbatch)
             if a.kind is Kind.W and key in self.stash_away:
                 self.stash_away.discard(key)
@@ -221,10 +224,10 @@ class PipelineExecutor:
                 self._track(self.clock.mark(), host_bytes, -host_bytes)
 
     def _prefetch_activations(self, i: int) -> None:
-        """Bring back the offloaded activations of the backwards at most `lookahead` actions from action i (the
-        simulator's rule, sim.graph.prefetch_issuer), on the copy stream, so they are on the device before those
-        backwards unpack them."""
-        upcoming = [a for a in self.actions[i : i + self.lookahead + 1] if a.kind in (Kind.B, Kind.I)]
+        """Bring back the offloaded activations of the backwards due as action i starts (the simulator's rule,
+        sim.copy_rules.prefetch_window), on the copy stream, so they are on the device before those backwards
+        unpack them."""
+        upcoming = [a for a in self.actions[prefetch_window(i, self.lookahead)] if a.kind in (Kind.B, Kind.I)]
         for a in upcoming:
             meter = self.meters.pop((a.stage, a.microbatch), None)
             if meter is None:

@@ -41,13 +41,14 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pipeplan.sim.copy_rules import PINNED_BUFFERS, CopyKind, Stream, prefetch_issue_position
 from pipeplan.sim.costs import CostTable
 from pipeplan.sim.ir import BACKWARD_KINDS, GRADIENT_KINDS, Action, Kind, Schedule
 from pipeplan.sim.memory_plan import MemoryPlan
 
-# ("offload", F) | ("prefetch", B/I) | ("stash-offload", I) | ("stash-prefetch", W) | ("weights", use) | ("step", chunk)
-CopyItem = tuple[str, "Action | int"]
-CopyOrder = dict[tuple[int, str], list[CopyItem]]  # (rank, "d2h" | "h2d") -> items in grant order
+# (CopyKind, the F | B/I | I | W | next use | chunk it is for); sim.copy_rules names the kinds and streams
+CopyItem = tuple[CopyKind, "Action | int"]
+CopyOrder = dict[tuple[int, Stream], list[CopyItem]]  # (rank, stream) -> items in grant order
 
 
 class NodeKind(IntEnum):
@@ -352,7 +353,7 @@ def add_copies(g: GraphBuilder, mem: MemoryPlan, copies: CopyOrder) -> None:
     if mem.has_step_copies:
         add_step_copies(g, mem)
     for (_rank, stream), items in copies.items():
-        chain = [g.keys[("step-" + stream, x) if what == "step" else (what, x)] for what, x in items]
+        chain = [g.keys[(f"step-{stream}", x) if what == CopyKind.STEP else (what, x)] for what, x in items]
         for u, v in itertools.pairwise(chain):
             g.add_edge(u, v)
     if mem.offloads:
@@ -370,11 +371,12 @@ def add_activation_copies(g: GraphBuilder, mem: MemoryPlan) -> None:
     lc = activation_layer_copies(mem)
     for i, a in enumerate(st.actions):
         if a.kind is Kind.F:
-            _add_copy_out(g, mem, i, g.add_node(NodeKind.OFFLOAD, ("offload", a), copy_s[a.stage]), lc[a.stage])
+            _add_copy_out(g, mem, i, g.add_node(NodeKind.OFFLOAD, (CopyKind.OFFLOAD, a), copy_s[a.stage]),
+                          lc[a.stage])
     for i, a in enumerate(st.actions):
         if a.kind in BACKWARD_KINDS:
-            q = g.add_node(NodeKind.PREFETCH, ("prefetch", a), copy_s[a.stage])
-            g.add_edge(g.keys[("offload", st.actions[st.forward_of[i]])], q)
+            q = g.add_node(NodeKind.PREFETCH, (CopyKind.PREFETCH, a), copy_s[a.stage])
+            g.add_edge(g.keys[(CopyKind.OFFLOAD, st.actions[st.forward_of[i]])], q)
             _add_copy_in(g, mem, q, i, lc[a.stage])
 
 
@@ -386,12 +388,12 @@ def add_stash_copies(g: GraphBuilder, mem: MemoryPlan) -> None:
     lc = stash_layer_copies(mem)
     for i, a in enumerate(st.actions):
         if a.kind is Kind.I:
-            _add_copy_out(g, mem, i, g.add_node(NodeKind.STASH_OFFLOAD, ("stash-offload", a), copy_s[a.stage]),
-                          lc[a.stage])
+            _add_copy_out(g, mem, i, g.add_node(NodeKind.STASH_OFFLOAD, (CopyKind.STASH_OFFLOAD, a),
+                                                copy_s[a.stage]), lc[a.stage])
     for i, a in enumerate(st.actions):
         if a.kind is Kind.W:
-            q = g.add_node(NodeKind.STASH_PREFETCH, ("stash-prefetch", a), copy_s[a.stage])
-            g.add_edge(g.keys[("stash-offload", st.actions[st.split_of(i)])], q)
+            q = g.add_node(NodeKind.STASH_PREFETCH, (CopyKind.STASH_PREFETCH, a), copy_s[a.stage])
+            g.add_edge(g.keys[(CopyKind.STASH_OFFLOAD, st.actions[st.split_of(i)])], q)
             _add_copy_in(g, mem, q, i, lc[a.stage])
 
 
@@ -500,7 +502,7 @@ class SideTask:
 
     kind: NodeKind
     key: str  # the node's key in a StepGraph, with `chunk`: (key, chunk)
-    stream: str | None  # the rank's copy engine it queues on ("d2h" | "h2d", FIFO), or None (host work)
+    stream: Stream | None  # the rank's copy engine it queues on (FIFO), or None (host work)
     seconds: float
     chunk: int
 
@@ -515,9 +517,11 @@ def side_chains(schedule: Schedule, mem: MemoryPlan) -> dict[int, tuple[SideTask
     chains: dict[int, tuple[SideTask, ...]] = {}
     for c, i in step_structure(schedule).last_backward.items():
         chains[i] = (
-            SideTask(NodeKind.STEP_D2H, "step-d2h", "d2h", float(mem.step_d2h_bytes[c] / mem.host_link_bps), c),
+            SideTask(NodeKind.STEP_D2H, f"step-{Stream.D2H}", Stream.D2H,
+                     float(mem.step_d2h_bytes[c] / mem.host_link_bps), c),
             SideTask(NodeKind.STEP_HOST, "step-host", None, float(mem.step_host_s[c]), c),
-            SideTask(NodeKind.STEP_H2D, "step-h2d", "h2d", float(mem.step_h2d_bytes[c] / mem.host_link_bps), c),
+            SideTask(NodeKind.STEP_H2D, f"step-{Stream.H2D}", Stream.H2D,
+                     float(mem.step_h2d_bytes[c] / mem.host_link_bps), c),
         )
     return chains
 
@@ -535,14 +539,15 @@ def add_step_copies(g: GraphBuilder, mem: MemoryPlan) -> None:
 
 def prefetch_issuer(schedule: Schedule, lookahead: int, kinds: tuple[Kind, ...] = BACKWARD_KINDS) -> dict[int, int]:
     """B/I node (W node with `kinds` (Kind.W,): its W stash) -> the node whose start issues its prefetch: the
-    action `lookahead` places before it on its rank (the first action for the first few)."""
+    action `lookahead` places before it on its rank (the first action for the first few:
+    sim.copy_rules.prefetch_issue_position)."""
     st = step_structure(schedule)
     issuer = {}
     for r in range(schedule.num_ranks):
         nodes = st.rank_nodes(r)
         for pos, i in enumerate(nodes):
             if st.actions[i].kind in kinds:
-                issuer[i] = nodes[max(pos - lookahead, 0)]
+                issuer[i] = nodes[prefetch_issue_position(pos, lookahead)]
     return issuer
 
 
@@ -554,23 +559,24 @@ def splits_backward(schedule: Schedule) -> bool:
     return any(a.kind is Kind.I for r in schedule.ranks for a in r)
 
 
-def _two_buffer_gates(g: GraphBuilder, nodes_of_rank: Callable[[int], list[int]], copy: str) -> None:
-    """The j-th of a rank's `nodes_of_rank` waits for the `copy` out of its (j-2)-th (two pinned buffers)."""
+def _pinned_buffer_gates(g: GraphBuilder, nodes_of_rank: Callable[[int], list[int]], copy: CopyKind) -> None:
+    """The j-th of a rank's `nodes_of_rank` waits for the `copy` out of its (j - PINNED_BUFFERS)-th
+    (sim.copy_rules.PINNED_BUFFERS)."""
     st = g.structure
     for r in range(g.schedule.num_ranks):
         nodes = nodes_of_rank(r)
-        for j in range(2, len(nodes)):
-            g.add_edge(g.keys[(copy, st.actions[nodes[j - 2]])], nodes[j])
+        for j in range(PINNED_BUFFERS, len(nodes)):
+            g.add_edge(g.keys[(copy, st.actions[nodes[j - PINNED_BUFFERS]])], nodes[j])
 
 
 def add_offload_gates(g: GraphBuilder) -> None:
-    """F_j waits for the offload of F_(j-2) (two pinned buffers)."""
-    _two_buffer_gates(g, g.structure.forwards, "offload")
+    """F_j waits for the offload of F_(j - PINNED_BUFFERS)."""
+    _pinned_buffer_gates(g, g.structure.forwards, CopyKind.OFFLOAD)
 
 
 def add_stash_gates(g: GraphBuilder) -> None:
-    """I_j waits for the stash offload of I_(j-2) (two pinned buffers, as for forwards)."""
-    _two_buffer_gates(g, g.structure.splits, "stash-offload")
+    """I_j waits for the stash offload of I_(j - PINNED_BUFFERS), as forwards do."""
+    _pinned_buffer_gates(g, g.structure.splits, CopyKind.STASH_OFFLOAD)
 
 
 def add_issue_edges(g: GraphBuilder, mem: MemoryPlan) -> None:
@@ -579,13 +585,13 @@ def add_issue_edges(g: GraphBuilder, mem: MemoryPlan) -> None:
     st = g.structure
     pairs: list[tuple[int, int]] = []  # (issuer, prefetch node)
     if mem.offloads:
-        pairs += [(ahead, g.keys[("prefetch", st.actions[b])])
+        pairs += [(ahead, g.keys[(CopyKind.PREFETCH, st.actions[b])])
                   for b, ahead in prefetch_issuer(g.schedule, mem.prefetch_lookahead).items()]
     if mem.offloads_stash:
-        pairs += [(ahead, g.keys[("stash-prefetch", st.actions[w])])
+        pairs += [(ahead, g.keys[(CopyKind.STASH_PREFETCH, st.actions[w])])
                   for w, ahead in prefetch_issuer(g.schedule, mem.prefetch_lookahead, STASH_KINDS).items()]
     if mem.offloads_weights:
-        pairs += [(w.issuer, g.keys[("weights", st.actions[w.next_use])])
+        pairs += [(w.issuer, g.keys[(CopyKind.WEIGHTS, st.actions[w.next_use])])
                   for w in weight_windows(g.schedule, mem.prefetch_lookahead, mem.weight_offload_bytes > 0)
                   if w.next_use >= 0]
     issue = [(g.u[k], q, g.delay[k]) for ahead, q in pairs for k in g.in_edges[ahead]]
@@ -629,10 +635,10 @@ def weight_windows(schedule: Schedule, lookahead: int, chunks: np.ndarray | None
                 continue
             away_at_boundary = ks[0] > lookahead
             if away_at_boundary:
-                windows.append(WeightWindow(c, -1, nodes[ks[0]], nodes[ks[0] - lookahead]))
+                windows.append(WeightWindow(c, -1, nodes[ks[0]], nodes[prefetch_issue_position(ks[0], lookahead)]))
             for k1, k2 in itertools.pairwise(ks):
                 if k2 - k1 > lookahead + 1:
-                    windows.append(WeightWindow(c, nodes[k1], nodes[k2], nodes[k2 - lookahead]))
+                    windows.append(WeightWindow(c, nodes[k1], nodes[k2], nodes[prefetch_issue_position(k2, lookahead)]))
             if away_at_boundary:
                 windows.append(WeightWindow(c, nodes[ks[-1]], -1, -1))
     return windows
@@ -662,7 +668,7 @@ def add_weight_prefetches(g: GraphBuilder, mem: MemoryPlan) -> None:
     for w in weight_windows(g.schedule, mem.prefetch_lookahead, mem.weight_offload_bytes > 0):
         if w.next_use >= 0:
             use = st.actions[w.next_use]
-            q = g.add_node(NodeKind.WEIGHT_PREFETCH, ("weights", use),
+            q = g.add_node(NodeKind.WEIGHT_PREFETCH, (CopyKind.WEIGHTS, use),
                            mem.weight_offload_bytes[w.chunk] / mem.host_link_bps)
             g.add_edge(q, w.next_use)
 

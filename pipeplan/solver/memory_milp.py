@@ -84,6 +84,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeplan.sim.config import FreezeConfig, Scenario
+from pipeplan.sim.copy_rules import buffer_gate
 from pipeplan.sim.costs import CostTable, per_rank_sum
 from pipeplan.sim.engine import SimResult, simulate
 from pipeplan.sim.graph import (
@@ -627,8 +628,9 @@ def _copy_rows(rows: _Rows, lp: LinearProgram, col: _Columns, ch: _Chunks, dag: 
             if j >= 1:
                 rows.add(0, np.inf, [e[i], e[chain[j - 1]], *cols], [1, -1, *vals])
             same = seen[dag.actions[i].kind]
-            if len(same) >= 2:  # bounded pinned buffers: the copy two of the same kind back has ended
-                rows.add(0, np.inf, [s[i], e[same[-2]]], [1, -1])
+            gate = buffer_gate(same)  # bounded pinned buffers (sim.copy_rules.PINNED_BUFFERS)
+            if gate is not None:
+                rows.add(0, np.inf, [s[i], e[gate]], [1, -1])
             same.append(i)
     h2d = [(ahead, 1, ib, dag.actions[ib].stage) for ib, ahead in prefetch_issuer(dag.schedule, lookahead).items()]
     if stash:

@@ -1,0 +1,198 @@
+"""An independent reference for the engine: one training step walked by hand from docs/simulator.md's rules,
+without the step graph's or the engine's code (only the schedule's action lists are shared).
+
+Rules, as the docs state them: a rank runs its actions in order, one at a time. F(s) needs F(s-1); B or I(s)
+needs its own F(s) and the backward (B or I) of s+1; W needs its I. Durations: F, I, W from the table, B =
+I + W. A result consumed on another rank crosses the directed link between the ranks: one transfer at a time,
+`p2p_s` each, in the order the sender produces them; with blocking sends the sender's next action waits until
+its send has arrived. Activations: an F holds its chunk's bytes from its start until its B or I ends; an I
+then holds the chunk's W stash until its W ends.
+
+With activation offload (`Offload`, whole chunks, DRAM): each rank has one device-to-host and one host-to-device
+copy engine, each FIFO. Every F's offloaded part is copied out after the F (and leaves HBM when the copy ends); a
+forward may not start while more than one earlier copy out is unfinished (two pinned buffers). Every backward's
+part comes back on the h2d engine, asked for when the rank starts the action `lookahead` places before the
+backward (its first action for the first few) or, if later, when the copy out ends; HBM is taken when the copy
+starts and the backward waits for its end. Waiting on copies is stall.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeplan.sim.ir import Action, Kind
+
+
+@dataclass
+class ReferenceStep:
+    start: dict[Action, float] = field(default_factory=dict)
+    end: dict[Action, float] = field(default_factory=dict)
+    p2p_wait: list[float] = field(default_factory=list)  # per rank: idle only because an input was in transit
+    peak_activation: list[float] = field(default_factory=list)  # per rank
+    transfers: int = 0
+    stall: list[float] = field(default_factory=list)  # per rank: waited on copies (offload only)
+    peak_hbm: list[float] = field(default_factory=list)  # per rank: activations in HBM (offload only)
+    copies: dict[tuple[int, str], list[str]] = field(default_factory=dict)  # (rank, stream) -> grant order
+
+    @property
+    def makespan(self) -> float:
+        return max(self.end.values(), default=0.0)
+
+
+def _duration(a: Action, f, i, w) -> float:
+    s = a.stage
+    return f[s] if a.kind is Kind.F else i[s] if a.kind is Kind.I else w[s] if a.kind is Kind.W else i[s] + w[s]
+
+
+def _needs(a: Action, present: set[Action], last_stage: int) -> list[Action]:
+    if a.kind is Kind.F:
+        return [Action(a.stage - 1, Kind.F, a.microbatch)] if a.stage > 0 else []
+    if a.kind is Kind.W:
+        return [Action(a.stage, Kind.I, a.microbatch)]
+    own = [Action(a.stage, Kind.F, a.microbatch)]
+    if a.stage == last_stage:
+        return own
+    later = [x for x in (Action(a.stage + 1, k, a.microbatch) for k in (Kind.B, Kind.I)) if x in present]
+    return own + later[:1]
+
+
+def _receiver_stage(a: Action, last_stage: int) -> int | None:
+    """The stage that consumes `a`'s result: F feeds the next stage, B/I the previous one, W nobody."""
+    if a.kind is Kind.F:
+        return a.stage + 1 if a.stage < last_stage else None
+    if a.kind in (Kind.B, Kind.I):
+        return a.stage - 1 if a.stage > 0 else None
+    return None
+
+
+def reference_step(sched, f, i, w, act, stash, p2p_s: float = 0.0, blocking: bool = False,
+                   offload: Offload | None = None) -> ReferenceStep:
+    """Walk the step: a rank takes its next action as soon as every input of it has a known arrival time."""
+    ranks = [list(r) for r in sched.ranks]
+    s2r, last = list(sched.stage_to_rank), sched.num_stages - 1
+    present = {a for r in ranks for a in r}
+    out = ReferenceStep(p2p_wait=[0.0] * len(ranks))
+    arrive: dict[Action, float] = {}  # when a's result is usable on its consumer's rank
+    free, pos, link_free = [0.0] * len(ranks), [0] * len(ranks), {}
+    while any(p < len(r) for p, r in zip(pos, ranks, strict=True)):
+        moved = False
+        for r, actions in enumerate(ranks):
+            while pos[r] < len(actions):
+                a = actions[pos[r]]
+                needs = _needs(a, present, last)
+                if any(x not in out.end for x in needs):
+                    break
+                ready = max([free[r], *(arrive[x] if s2r[x.stage] != r else out.end[x] for x in needs)])
+                produced = max([free[r], *(out.end[x] for x in needs)])
+                out.p2p_wait[r] += ready - produced
+                if offload is not None:
+                    ready = offload.before(r, pos[r], a, ready)
+                out.start[a], out.end[a] = ready, ready + _duration(a, f, i, w)
+                if offload is not None:
+                    offload.after(r, a, out.start[a], out.end[a])
+                free[r] = out.end[a]
+                to = _receiver_stage(a, last)
+                if to is not None and s2r[to] != r:
+                    link = (r, s2r[to])
+                    arrive[a] = link_free[link] = max(out.end[a], link_free.get(link, 0.0)) + p2p_s
+                    out.transfers += 1
+                    if blocking:
+                        out.p2p_wait[r] += arrive[a] - out.end[a]
+                        free[r] = arrive[a]
+                pos[r] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError("the reference walk is stuck: the schedule deadlocks")
+    out.peak_activation = [_peak(actions, act, stash) for actions in ranks]
+    if offload is not None:
+        out.stall, out.peak_hbm, out.copies = offload.stall, offload.peaks(), offload.copies
+    return out
+
+
+def _peak(actions: list[Action], act, stash) -> float:
+    """The rank's activations change only as its own actions start (F) and end (B, I, W), in its order."""
+    live, peak = 0.0, 0.0
+    for a in actions:
+        if a.kind is Kind.F:
+            live += act[a.stage]
+        elif a.kind is Kind.B:
+            live -= act[a.stage]
+        elif a.kind is Kind.I:
+            live += stash[a.stage] - act[a.stage]
+        else:
+            live -= stash[a.stage]
+        peak = max(peak, live)
+    return peak
+
+
+
+class Offload:
+    """Activation offload on each rank's two FIFO copy engines (module docstring), walked with the ranks."""
+
+    def __init__(self, sched, act, offloaded, bandwidth: float, lookahead: int):
+        self.act, self.off, self.bw = act, offloaded, bandwidth
+        self.ranks = [list(r) for r in sched.ranks]
+        n = len(self.ranks)
+        self.pos = {a: k for r in self.ranks for k, a in enumerate(r)}
+        self.on_rank = [set(r) for r in self.ranks]
+        self.issues: dict[tuple[int, int], list[Action]] = {}  # (rank, position) -> backwards its start asks for
+        for r, actions in enumerate(self.ranks):
+            for k, a in enumerate(actions):
+                if a.kind in (Kind.B, Kind.I):
+                    self.issues.setdefault((r, max(k - lookahead, 0)), []).append(a)
+        self.forwards_run: list[list[Action]] = [[] for _ in range(n)]
+        self.out_end: dict[Action, float] = {}  # F -> its copy out's end
+        self.asked: dict[Action, float] = {}  # B/I -> when its issuer started
+        self.back: dict[Action, tuple[float, float]] = {}  # B/I -> its copy back's (start, end)
+        self.d2h_free, self.h2d_free, self.stall = [0.0] * n, [0.0] * n, [0.0] * n
+        self.events: list[list[tuple[float, float]]] = [[] for _ in range(n)]  # per rank: (time, HBM change)
+        self.copies: dict[tuple[int, str], list[str]] = {}
+
+    def before(self, r: int, k: int, a: Action, ready: float) -> float:
+        """When the rank's k-th action `a` may start, inputs there at `ready`; issues what its start asks for."""
+        t = ready
+        if a.kind is Kind.F and len(self.forwards_run[r]) >= 2:
+            t = max(t, self.out_end[self.forwards_run[r][-2]])
+        if a.kind in (Kind.B, Kind.I):
+            t = max(t, self._granted_until(r, a)[1])
+        self.stall[r] += t - ready
+        for b in self.issues.get((r, k), ()):
+            self.asked[b] = t
+        return t
+
+    def after(self, r: int, a: Action, start: float, end: float) -> None:
+        if a.kind is Kind.F:
+            self.events[r].append((start, self.act[a.stage]))
+            self.forwards_run[r].append(a)
+            begin = max(end, self.d2h_free[r])
+            self.out_end[a] = self.d2h_free[r] = begin + self.off[a.stage] / self.bw
+            self.events[r].append((self.out_end[a], -self.off[a.stage]))
+            self.copies.setdefault((r, "d2h"), []).append(f"offload {a}")
+        elif a.kind in (Kind.B, Kind.I):
+            self.events[r].append((end, -self.act[a.stage]))
+
+    def _granted_until(self, r: int, b: Action) -> tuple[float, float]:
+        """Grant the rank's asked-for copies back in the order they were asked (their copy out done), up to b's."""
+        while b not in self.back:
+            own = {x: Action(x.stage, Kind.F, x.microbatch) for x in self.asked if x in self.on_rank[r]}
+            waiting = [(max(self.asked[x], self.out_end[fx]), self.pos[x], x)
+                       for x, fx in own.items() if x not in self.back and fx in self.out_end]
+            asked_at, _, x = min(waiting)
+            begin = max(asked_at, self.h2d_free[r])
+            self.back[x] = (begin, begin + self.off[x.stage] / self.bw)
+            self.h2d_free[r] = self.back[x][1]
+            self.events[r].append((begin, self.off[x.stage]))
+            self.copies.setdefault((r, "h2d"), []).append(f"prefetch {x}")
+        return self.back[b]
+
+    def peaks(self) -> list[float]:
+        """Per rank: the most HBM its activations held; at equal times, frees come first (a forward held back
+        by a pinned buffer starts as that copy ends and frees it)."""
+        out = []
+        for events in self.events:
+            live = peak = 0.0
+            for _, delta in sorted(events, key=lambda e: (e[0], e[1] > 0)):
+                live += delta
+                peak = max(peak, live)
+            out.append(peak)
+        return out
