@@ -67,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text to train and evaluate on (default python: stdlib sources and docs)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument("--freeze-warmup", type=int, default=2, help="steps before freezing (default 2)")
-    parser.add_argument("--freeze-monitor", type=int, default=2, help="monitoring steps (default 2)")
+    parser.add_argument("--freeze-monitor", type=int, default=8,
+                        help="monitoring steps, half of each action's samples frozen (default 8)")
     parser.add_argument("--freeze-ramp", type=int, default=4, help="steps to ramp the cap up (default 4)")
     parser.add_argument("--freeze-redraw", type=int, default=5, help="re-draw frozen sets every K steps (default 5)")
     parser.add_argument("--out", default="out/freeze-study", help="output folder (default: out/freeze-study)")
