@@ -31,43 +31,55 @@ def ratios(dag, sol) -> dict[str, float]:
 
 
 def simulated(sched, costs, dag, sol) -> float:
-    durations = {dag.actions[i]: float(d) for i, d in zip(dag.freezable, sol.duration_s, strict=True)}
-    return simulate(sched, costs, durations).makespan_s
+    return simulate(sched, costs, dag.action_durations(sol.ratio)).makespan_s  # freezable and tied actions
 
 
 # ---- ground truth by hand ---------------------------------------------------------------------------
 def test_single_stage_freezes_exactly_the_cap():
-    # one rank runs F B F B ... back to back: T = m (F + B) - Σ r W, so T* = 4·3 - 0.5·4 = 10
+    # one rank runs F B F B ... back to back; the only chunk is the first, which needs no input gradient, so a
+    # fully frozen B does nothing: T = m (F + B) - Σ r (I + W), so T* = 4·3 - 0.5·4·2 = 8
     _, _, _, sol = plan("1f1b", 1, 4, cap=0.5)
-    assert sol.makespan_s == pytest.approx(10.0, abs=1e-7)
+    assert sol.makespan_s == pytest.approx(8.0, abs=1e-7)
     assert sol.ratio.sum() == pytest.approx(2.0, abs=1e-7)  # stage 2 may use its 1e-9 slack
 
 
+def test_a_measured_fully_frozen_backward_is_the_bound():
+    # freeze.backward_min_s (the runtime's measured fully frozen B) replaces the model's: T* = 12 - 0.5·4·(2 - 1)
+    sched = build_schedule("1f1b", 1, 4, 1)
+    dag = build_freeze_dag(sched, make_costs(1, 1, 4), FreezeConfig(cap=0.5, backward_min_s=1.0))
+    assert solve_freeze_lp(dag, 0.5).makespan_s == pytest.approx(10.0, abs=1e-7)
+
+
 def test_single_stage_limited_by_max_ratio():
-    # every B at most 0.3 frozen: Σ r <= 1.2 < cap·m = 2, T* = 12 - 1.2
+    # every B at most 0.3 frozen: Σ r <= 1.2 < cap·m = 2, T* = 12 - 1.2·(I + W)
     _, _, _, sol = plan("1f1b", 1, 4, cap=0.5, max_ratio=0.3)
-    assert sol.makespan_s == pytest.approx(10.8, abs=1e-7)
+    assert sol.makespan_s == pytest.approx(9.6, abs=1e-7)
     np.testing.assert_allclose(sol.ratio, 0.3, atol=1e-9)
 
 
 def test_two_stages_one_microbatch_with_transfers():
-    # F0 -> F1 -> B1 -> B0 is one chain: 1 + .1 + 1 + 2 + .1 + 2 = 6.2, minus 0.5 + 0.5 at cap 0.5
+    # F0 -> F1 -> B1 -> B0 is one chain: 1 + .1 + 1 + 2 + .1 + 2 = 6.2, minus 0.5·W on stage 1 and 0.5·(I + W)
+    # on stage 0 (no input gradient) at cap 0.5: 6.2 - 0.5 - 1 = 4.7
     sched, costs, dag, sol = plan("1f1b", 2, 1, cap=0.5, p2p=0.1)
-    assert sol.makespan_s == pytest.approx(5.2, abs=1e-7)
+    assert sol.makespan_s == pytest.approx(4.7, abs=1e-7)
     assert ratios(dag, sol) == pytest.approx({"0B0": 0.5, "1B0": 0.5}, abs=1e-7)
-    assert simulated(sched, costs, dag, sol) == pytest.approx(5.2, rel=1e-8)
+    assert simulated(sched, costs, dag, sol) == pytest.approx(4.7, rel=1e-8)
 
 
 def test_zero_bubble_freezes_only_the_w_that_shortens_the_step():
     # zb-h1, p=2, m=2, F = I = W = 1. Unfrozen: rank 1 runs F0 I0 F1 I1 W0 W1 from t=1, ending at 7; rank 0
     # ends ... I1 [5, 6] W1 [6, 7]. Rank 0's W0 [4, 5] ends as rank 1's I1 arrives: freezing it saves
-    # nothing. T* = 6 needs stage 0's W1 fully frozen and one unit of W freezing on stage 1.
-    _, _, dag, sol = plan("zb-h1", 2, 2, cap=0.9)
+    # nothing. Stage 0 needs no input gradient, so its I1 shrinks with W1's ratio r: rank 0 ends at 5 + 2(1 - r).
+    # Rank 1 ends at 5 + 2 - (r1W0 + r1W1) >= 5.2 (its cap, 0.9 x 2), so T* = 5.2 with r0W1 = 0.9 (least freezing).
+    sched, costs, dag, sol = plan("zb-h1", 2, 2, cap=0.9)
     r = ratios(dag, sol)
-    assert sol.makespan_s == pytest.approx(6.0, abs=1e-7)
+    assert sol.makespan_s == pytest.approx(5.2, abs=1e-7)
     assert r["0W0"] == 0.0
-    assert r["0W1"] == pytest.approx(1.0, abs=1e-7)
-    assert r["1W0"] + r["1W1"] == pytest.approx(1.0, abs=1e-7)
+    assert r["0W1"] == pytest.approx(0.9, abs=1e-7)
+    assert r["1W0"] + r["1W1"] == pytest.approx(1.8, abs=1e-7)
+    i1 = dag.action_durations(sol.ratio)[Action(0, Kind.I, 1)]  # the tied I, as the simulator is given it
+    assert i1 == pytest.approx(0.1, abs=1e-7)
+    assert simulated(sched, costs, dag, sol) == pytest.approx(5.2, rel=1e-8)
 
 
 def test_cap_zero_is_the_unfrozen_step():
@@ -169,10 +181,11 @@ def test_convex_curve_saves_more_early():
     fz = FreezeConfig(cap=0.5, curve=[[0.0, 1.0], [0.5, 0.2], [1.0, 0.0]])
     dag = build_freeze_dag(sched, costs, fz)
     sol = solve_freeze_lp(dag, 0.5)
-    # four B at r = 0.5 each save 0.8: T* = 12 - 3.2 (the concave-free curve rewards spreading)
-    assert sol.makespan_s == pytest.approx(8.8, abs=1e-7)
+    # four B of the first chunk (Δ = I + W = 2) at r = 0.5 each save 0.8·2: T* = 12 - 6.4 (the concave-free
+    # curve rewards spreading)
+    assert sol.makespan_s == pytest.approx(5.6, abs=1e-7)
     np.testing.assert_allclose(sol.ratio, 0.5, atol=1e-9)
-    assert simulated(sched, costs, dag, sol) == pytest.approx(8.8, rel=1e-8)
+    assert simulated(sched, costs, dag, sol) == pytest.approx(5.6, rel=1e-8)
 
 
 # ---- bad input ------------------------------------------------------------------------------------------

@@ -170,7 +170,7 @@ def test_bad_input_is_one_line_and_exit_2_before_launching(argv, expected, capsy
 def test_freeze_study_trains_once_per_cap_and_reports_loss_and_speed(scenario, tmp_path):
     out = tmp_path / "study"
     proc = pipeplan("freeze-study", scenario, "--caps", "0,0.9", "--tokens", "1024", "--freeze-ramp", "1",
-                    "--out", str(out), timeout=400)
+                    "--freeze-monitor", "2", "--out", str(out), timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = pd.read_csv(out / "freeze_study.csv")
     assert list(table.columns[:7]) == ["cap", "tokens", "final_loss", "heldout_loss", "mean_step_time_s",

@@ -37,6 +37,10 @@ def test_the_minimum_delay_sample_wins_and_drift_is_linear():
     assert fit.drift == pytest.approx(2e-5)
     assert fit.to_reference(60.0) == pytest.approx(60.0 + 1.001)
     assert fit.uncertainty_s == 3e-4
+    # outside the job's two estimates the offset is the nearer one's: a resumed run's restored steps, timed
+    # an hour before this job started, are not shifted by 20 ppm x 3600 s = 72 ms of extrapolated drift
+    assert fit.offset_at(10.0 - 3600) == fit.start.offset_s
+    assert fit.offset_at(110.0 + 3600) == pytest.approx(fit.end.offset_s)
     # ranks that left the barrier 3 ms apart on one clock: the late one's times shift by 3 ms
     assert step_origins([5.000, 5.003], [ClockFit(OffsetSample(0, 0, 0))] * 2) == pytest.approx([0.0, 0.003])
 

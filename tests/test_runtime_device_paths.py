@@ -43,7 +43,15 @@ def test_checkpoint_loads_onto_another_device_with_host_state_on_the_cpu(world_o
     state = checkpoint.load(tmp_path, 0, "meta")  # saved on the CPU, mapped onto another device
     weights = state["device"]["chunks"][0]
     assert weights and all(v.device.type == "meta" for v in weights.values())
-    assert all(v.device.type == "meta" for s in state["device"]["optimizer"]["state"].values() for v in s.values())
+    # the optimizer's state stays on the CPU; Adam's load_state_dict moves the moments to their parameters'
+    # device and keeps the (non-capturable) step counters on the CPU, as torch does (issue #44)
+    saved = state["device"]["optimizer"]["state"]
+    assert all(v.device.type == "cpu" for s in saved.values() for v in s.values())
+    params = [torch.nn.Parameter(v.to("meta")) for v in weights.values()]
+    adam = torch.optim.Adam(params, lr=1e-3)
+    adam.load_state_dict(state["device"]["optimizer"])
+    loaded = list(adam.state.values())
+    assert loaded and all(s["exp_avg"].device.type == "meta" and s["step"].device.type == "cpu" for s in loaded)
     host = state["host"]
     assert host["rng"].device.type == "cpu" and host["rng"].dtype == torch.uint8
     assert host["freezer"]["gen"].device.type == "cpu" and host["freezer"]["gen"].dtype == torch.uint8
@@ -100,6 +108,19 @@ def test_host_optimizer_copies_through_the_stream_and_matches_adam():
         torch.testing.assert_close(p, q)
     # per step: wait for the backward, download every gradient at once, one host wait, upload, an event
     assert stream.log == ["wait_for_compute", "copy", "synchronize", "copy", "record"] * 3
+
+
+def test_the_executor_records_the_device_peak_of_its_step(monkeypatch):
+    """PipelineExecutor.run_step alone (no Trainer) reports the allocator's peak (issue #44)."""
+    import pipeplan.runtime.executor
+    from pipeplan.runtime.stages import build_model
+    from tests.test_runtime_model import ARGS, batches, one_rank_executor
+
+    calls = []
+    monkeypatch.setattr(pipeplan.runtime.executor, "reset_device_peak", lambda device: calls.append("reset"))
+    monkeypatch.setattr(pipeplan.runtime.executor, "device_peak_bytes", lambda device: calls.append("read") or 99)
+    trace = one_rank_executor(build_model(ARGS), 2).run_step(batches(2))
+    assert trace.peak_device_bytes == 99 and calls == ["reset", "read"]
 
 
 def test_the_device_peak_is_read_after_the_optimizer_step(world_of_one, monkeypatch):

@@ -165,7 +165,7 @@ def test_draws_match_the_ratio_and_lean_to_the_front_on_stage_0():
 def test_freeze_phases_in_order():
     phases = FreezePhases("timelyfreeze", cap=0.5, warmup=2, monitor=2, ramp=2, redraw=5)
     assert [(s, phases.phase(s)) for s in range(8)] == [
-        (0, "warmup"), (1, "warmup"), (2, "monitor-unfrozen"), (3, "monitor-frozen"),
+        (0, "warmup"), (1, "warmup"), (2, "monitor"), (3, "monitor"),
         (4, "ramp"), (5, "ramp"), (6, "steady"), (7, "steady")]
     assert phases.solve_after_step == 3
     assert [round(phases.ramp_scale(s), 3) for s in (4, 5, 6)] == [0.333, 0.667, 1.0]
@@ -200,6 +200,45 @@ def test_the_lp_sees_each_actions_own_median():
     assert fz.planned_makespan_s < expected and fz.unfrozen_makespan_s == pytest.approx(expected)
     for s in range(2):
         assert np.mean([fz.plan[(s, mb)] for mb in range(4)]) <= 0.5 + 1e-9
+
+
+def test_monitoring_trains_every_step_and_times_every_action_both_ways():
+    """A checkerboard over microbatches: at each monitoring step half the microbatches are fully frozen and
+    half train, so no step discards training, and every action is timed frozen and unfrozen alternately."""
+    from pipeplan.runtime.executor import StepTrace
+
+    sched = build_schedule("1f1b", 1, 4, 1)
+    chunk = build_model(ARGS)
+    names = {n for n, _ in chunk.named_parameters()}
+    fz = Freezer.build(FreezePhases("timelyfreeze", 0.5, 1, 4, 0, 5), sched, {0: chunk}, seed=0, rank=0)
+    for step in range(1, 5):
+        frozen = fz.frozen(step)
+        assert sorted(frozen) == [(0, mb) for mb in range(4) if (mb + step - 1) % 2 == 1]
+        assert all(set(v) == names for v in frozen.values())  # those fully frozen, the others not at all
+        assert fz.realized_ratio() == 0.5
+        trace = StepTrace(actions=[(a, 0.0, 1.0 if a.kind is Kind.F or (0, a.microbatch) not in frozen else 0.25)
+                                   for a in sched.ranks[0]])
+        fz.observe(step, trace)
+    for mb in range(4):  # M/2 = 2 samples of each action, each way
+        assert fz.durations["unfrozen"][(0, "B", mb)] == [1.0, 1.0]
+        assert fz.durations["frozen"][(0, "B", mb)] == [0.25, 0.25]
+
+
+def test_the_first_stages_i_shrinks_with_its_w_in_the_plan():
+    """zb-h1, p=2, m=2, every action 1 s unfrozen, W and stage 0's I 0 s fully frozen (the first stage needs no
+    input gradient): the LP's plan is tests/test_freeze_lp.py's 5.2 s, and its I is part of the prediction."""
+    sched = build_schedule("zb-h1", 2, 2, 1)
+    fz = Freezer.build(FreezePhases("timelyfreeze", 0.9, 0, 2, 0, 5), sched, {0: build_model(ARGS)}, 0, 0)
+    unfrozen = {(s, k, mb): [1.0] for s in range(2) for k in "FIW" for mb in range(2)}
+    frozen = {**{(s, "W", mb): [0.0] for s in range(2) for mb in range(2)},
+              **{(s, k, mb): [1.0] for s in range(2) for k in "FI" for mb in range(2) if (s, k) != (0, "I")},
+              **{(0, "I", mb): [0.0] for mb in range(2)}}
+    fz.solve([{"unfrozen": unfrozen, "frozen": frozen}], cap=0.9)
+    assert fz.planned_makespan_s == pytest.approx(5.2)
+    assert fz.plan[(0, 1)] == pytest.approx(0.9) and fz.plan[(0, 0)] == 0.0
+    frozen[(0, "I", 0)] = frozen[(0, "I", 1)] = [1.0]  # an I that does not shrink: the old model, 6 s
+    fz.solve([{"unfrozen": unfrozen, "frozen": frozen}], cap=0.9)
+    assert fz.planned_makespan_s == pytest.approx(6.0)
 
 
 def test_uniform_plan_and_redraw_every_k_steps():

@@ -10,8 +10,11 @@ resumed run reproduces the uninterrupted run's losses exactly.
 A rank's state has two parts (runtime/train.py's `Trainer.state_dict`):
 
     "device"   chunks and optimizer: loaded with map_location="cpu" (the saving device may not exist
-               here), then moved to the loading rank's device, whatever device saved them (a CUDA
-               checkpoint resumes on the CPU and the other way round)
+               here); the chunks are then moved to the loading rank's device, whatever device saved them
+               (a CUDA checkpoint resumes on the CPU and the other way round). The optimizer state stays
+               on the CPU for torch's Optimizer.load_state_dict to place by its parameters: the moments on
+               their device, a non-capturable Adam's `step` counters on the CPU, where torch keeps them
+               (on the GPU every step would read them back, a sync per parameter)
     "host"     the CPU RNG state, the CUDA RNG state, the freezer's generator state and plain records:
                always on the CPU, since torch.set_rng_state and Generator.set_state take only a CPU
                ByteTensor (a GPU-mapped RNG state is what "RNG state must be a torch.ByteTensor" means)
@@ -83,11 +86,12 @@ def check_resumable(root: str | Path, ranks: Iterable[int] | None = None) -> int
 
 
 def load(root: str | Path, rank: int, device: torch.device | str) -> dict:
-    """Rank's latest state: "device" tensors on `device`, "host" tensors on the CPU (module docstring)."""
+    """Rank's latest state: the chunks on `device`, the optimizer's state and "host" tensors on the CPU (module
+    docstring: the optimizer's load_state_dict places its state)."""
     step = check_resumable(root, [rank])
-    # map everything to the CPU first (the saving device may not exist here), then the device part over
+    # map everything to the CPU first (the saving device may not exist here), then the chunks over
     state = torch.load(step_dir(root, step) / f"rank-{rank}.pt", map_location="cpu", weights_only=True)
-    state["device"] = tree_to(state["device"], torch.device(device))
+    state["device"]["chunks"] = tree_to(state["device"]["chunks"], torch.device(device))
     return state
 
 

@@ -16,7 +16,8 @@ ping-pongs over the process group (a gloo group: CPU tensors, so the times are h
 
 Whatever the split of δ between the two directions, the true offset lies in θ ± δ/2; the round with the
 smallest δ gives the tightest bound, and its δ/2 is the uncertainty. Done at the job's start and end, the
-two offsets give a linear drift model (offset at time t interpolated between them); the stated
+two offsets give a linear drift model (offset at time t interpolated between them, held at the nearer
+estimate outside them: a resumed run's restored steps are not extrapolated back to); the stated
 uncertainty is the larger of the two bounds. Ranks on one host share one monotonic clock, so there the
 estimate is ~0 ± tens of microseconds and what alignment fixes is the barrier-exit skew.
 """
@@ -73,6 +74,11 @@ class ClockFit:
         return (self.end.offset_s - self.start.offset_s) / (self.end.at_s - self.start.at_s)
 
     def offset_at(self, t: float) -> float:
+        """Interpolated between the two estimates, never extrapolated: a time before the start (a resumed
+        run's restored steps, timed by an earlier job) or after the end takes the nearer estimate's offset,
+        since a drift fitted over this job says nothing about another job's span."""
+        end = self.end.at_s if self.end is not None else self.start.at_s
+        t = min(max(t, self.start.at_s), max(end, self.start.at_s))
         return self.start.offset_s + self.drift * (t - self.start.at_s)
 
     def to_reference(self, t: float) -> float:

@@ -41,7 +41,7 @@ class RunConfig:
     """Mean freeze ratio allowed per stage; None: the scenario's freeze.cap."""
     freeze_warmup: int = 2
     """Steps before any freezing (and before monitoring)."""
-    freeze_monitor: int = 2
+    freeze_monitor: int = 8  # 4 samples of each action frozen and 4 unfrozen (docs/runtime.md, "Freezing")
     """Monitoring steps, alternately unfrozen (w_max) and fully frozen (w_min); at least 2."""
     freeze_ramp: int = 2
     """Steps over which the cap rises linearly to freeze_cap, the LP re-solved for each step's cap."""

@@ -6,10 +6,12 @@ reads what the uninterrupted run read, and the single-process reference sees the
     synthetic   x_t = (a + c t) mod V with a, c drawn per row: learnable, no file needed
     FILE        bytes of FILE as tokens 0..255 (vocab >= 256), windows at random offsets
     (default)   the Python standard library's own sources: a real text corpus every machine has
-    pydoc       English prose that ships with CPython: the Language Reference topics in
-                `pydoc_data/topics.py` (what `help("if")` prints; 79 topics, ~465 KB in 3.12). Split
-                deterministically: topics in sorted name order, the last tenth of every topic's bytes
-                held out (`pydoc_corpus("heldout")`), the first nine tenths train (`--data pydoc`)
+    python      the standard library's sources and Language Reference topics, training split
+                (runtime/corpus.py: documents deduplicated, a tenth of them held out by name hash)
+    pydoc       the Language Reference topics alone (`pydoc_data/topics.py`, what `help("if")` prints),
+                training split the same way
+`heldout_batches` draws evaluation windows from a corpus's held-out split, only where the window's bytes
+occur nowhere in the training split (runtime/corpus.py, step 3).
 """
 
 from __future__ import annotations
@@ -20,26 +22,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeplan.runtime.corpus import CORPORA, heldout_windows, split
 from pipeplan.sim.errors import PipeplanError
 
 SYNTHETIC = "synthetic"
 STDLIB = "stdlib"
 PYDOC = "pydoc"
-NAMED_SOURCES = (SYNTHETIC, STDLIB, PYDOC)  # --data values that are not files
+PYTHON = "python"
+NAMED_SOURCES = (SYNTHETIC, STDLIB, PYDOC, PYTHON)  # --data values that are not files
 STDLIB_MAX_BYTES = 8 * 2**20  # the first sorted stdlib modules up to this size
-HELDOUT_SHARE = 0.1  # pydoc: the last tenth of every topic is held out
-
-
-def pydoc_corpus(split: str = "train") -> np.ndarray:
-    """Bytes of the pydoc topics of one split ("train" or "heldout"), topics joined in sorted order."""
-    from pydoc_data.topics import topics
-
-    parts = []
-    for name in sorted(topics):
-        data = topics[name].encode("utf-8")
-        cut = int(len(data) * (1 - HELDOUT_SHARE))
-        parts.append(data[cut:] if split == "heldout" else data[:cut])
-    return np.frombuffer(b"\n\n".join(parts), dtype=np.uint8)
 
 
 def stdlib_corpus() -> np.ndarray:
@@ -72,8 +63,8 @@ class TokenData:
                 )
             if self.source == STDLIB:
                 arr = stdlib_corpus()
-            elif self.source == PYDOC:
-                arr = pydoc_corpus("train")
+            elif self.source in CORPORA:
+                arr = split(self.source)[0]
             else:
                 try:
                     arr = np.fromfile(self.source, dtype=np.uint8)
@@ -101,10 +92,18 @@ class TokenData:
         return [self.microbatch(step, mb) for mb in range(microbatches)]
 
 
-def heldout_batches(vocab: int, seq_len: int, micro_batch: int, count: int, seed: int = 0
+def heldout_batches(vocab: int, seq_len: int, micro_batch: int, count: int, seed: int = 0, corpus: str = PYDOC
                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`count` microbatches of the pydoc held-out split at fixed offsets: the same evaluation set for every
-    run with this seed (an evaluation never sees a training topic)."""
-    data = TokenData(PYDOC, vocab, seq_len, micro_batch, seed)
-    data.corpus = torch.from_numpy(pydoc_corpus("heldout").astype(np.int64))
-    return [data.microbatch(-1, mb) for mb in range(count)]
+    """`count` microbatches of `corpus`'s held-out split: distinct windows none of whose seq_len + 1 bytes
+    occur in the training split, at offsets fixed by the seed (the same evaluation set for every run)."""
+    if vocab < 256:
+        raise PipeplanError(f"--corpus {corpus}: byte-level tokens need model.vocab >= 256 (got {vocab})")
+    held = heldout_windows(corpus, seq_len + 1)
+    need = count * micro_batch
+    if len(held.starts) < need:
+        raise PipeplanError(f"--corpus {corpus}: {len(held.starts)} clean held-out windows, need {need}")
+    gen = torch.Generator().manual_seed(seed)
+    pick = torch.from_numpy(held.starts)[torch.randperm(len(held.starts), generator=gen)[:need]]
+    data = torch.from_numpy(held.data.astype(np.int64))
+    rows = data[pick[:, None] + torch.arange(seq_len + 1)].view(count, micro_batch, seq_len + 1)
+    return [(r[:, :-1].contiguous(), r[:, 1:].contiguous()) for r in rows]

@@ -49,6 +49,19 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> torch.autocast:
     return torch.autocast(device.type, dtype or torch.float32, enabled=dtype is not None)
 
 
+def reset_device_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def device_peak_bytes(device: torch.device) -> int | None:
+    """The CUDA allocator's peak since the last reset; None on the CPU (no allocator to ask)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device))
+
+
 class Clock:
     """Marks on a monotonic clock (CPU) or CUDA events, read as seconds since `start()`; `host_t0` is the
     start on the host clock `now` (on CUDA the device is idle at the start, so its first event runs then)."""
@@ -93,7 +106,7 @@ class StepTrace:
     stash_offloaded_bytes: int = 0  # W stash moved to host after I
     stash_prefetched_bytes: int = 0  # of those, brought back ahead of their W (the rest on demand)
     peak_activation_bytes: int = 0
-    peak_device_bytes: int | None = None  # CUDA allocator peak over the step, optimizer step included
+    peak_device_bytes: int | None = None  # CUDA allocator peak over the actions (Trainer.step: and the optimizer's)
     t0_s: float = 0.0  # the step's start on this rank's host clock (runtime/clock.py aligns ranks with it)
 
     def to_plain(self) -> dict[str, Any]:
@@ -170,6 +183,7 @@ class PipelineExecutor:
         self.stash_away: set[tuple[int, int]] = set()  # stashes with host copies not fetched yet
         self._stash_offloaded = self._stash_prefetched = 0
         trace = StepTrace()
+        reset_device_peak(self.device)
         self.clock.start()
         self.memory_marks.append((self.clock.t0, 0, 0))
         if self.weights is not None:
@@ -208,6 +222,7 @@ class PipelineExecutor:
         trace.prefetched_bytes = self._prefetched
         trace.stash_offloaded_bytes = self._stash_offloaded
         trace.stash_prefetched_bytes = self._stash_prefetched
+        trace.peak_device_bytes = device_peak_bytes(self.device)
         return trace
 
     def _prefetch_stash(self, i: int) -> None:

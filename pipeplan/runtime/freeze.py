@@ -14,10 +14,15 @@ computed. Between forwards every parameter requires grad again.
 Phases (step numbers from 0), as TimelyFreeze runs them:
 
     warm-up      [0, w)               nothing frozen
-    monitoring   [w, w + M)           alternately unfrozen (w_max) and fully frozen (w_min) steps; every
-                                      action's duration kept, per action (stage, kind, microbatch)
+    monitoring   [w, w + M)           every step trains: at monitoring step k the microbatches with
+                                      (mb + k) odd are fully frozen (w_min), the others unfrozen (w_max), so
+                                      every action is timed both ways every two steps, M/2 samples each,
+                                      and every parameter gets the other half's gradients each step; each
+                                      action's durations kept, per action (stage, kind, microbatch)
     LP solve     end of step w + M-1  per-action medians -> the freeze DAG's w_max, w_min of every B/W (the
-                                      LP's variables; F and I take their chunk's median) -> the LP
+                                      LP's variables, and stage 0's I, which shrinks with its W: the
+                                      first stage needs no input gradient; F and the other I take their
+                                      chunk's median) -> the LP
                                       (solver.plan.plan_freeze) on rank 0 at the first ramp step's cap;
                                       the plan is broadcast to every rank
     ramp         [w + M, w + M + R)   the cap rises linearly, cap·(k+1)/(R+1) at ramp step k; the LP is
@@ -86,7 +91,7 @@ class FreezePhases:
             return "warmup" if self.mode != "none" else "off"
         k = step - self.warmup
         if k < self.monitor:
-            return "monitor-unfrozen" if k % 2 == 0 else "monitor-frozen"
+            return "monitor"
         k -= self.monitor
         return "ramp" if k < self.ramp else "steady"
 
@@ -104,6 +109,10 @@ class FreezePhases:
     def ramp_scale(self, step: int) -> float:
         k = step - self.warmup - self.monitor
         return 1.0 if self.ramp == 0 or k >= self.ramp else (k + 1) / (self.ramp + 1)
+
+    def monitor_frozen(self, step: int, microbatch: int) -> bool:
+        """Whether (any stage's) `microbatch` is fully frozen at monitoring step `step` (a checkerboard)."""
+        return (microbatch + step - self.warmup) % 2 == 1
 
     def cap_at(self, step: int) -> float:
         """The cap in force at `step` (ramp and steady phases)."""
@@ -143,10 +152,10 @@ class Freezer:
         """The freeze ratio of every local (stage, mb) at `step`."""
         phase = self.phases.phase(step)
         keys = [(s, mb) for s in self.units for mb in range(self.schedule.num_microbatches)]
-        if phase in ("off", "warmup", "monitor-unfrozen"):
+        if phase in ("off", "warmup"):
             return dict.fromkeys(keys, 0.0)
-        if phase == "monitor-frozen":
-            return dict.fromkeys(keys, 1.0)
+        if phase == "monitor":
+            return {k: float(self.phases.monitor_frozen(step, k[1])) for k in keys}
         return {k: self.plan.get(k, 0.0) for k in keys}  # the plan solved for this step's cap
 
     def frozen(self, step: int) -> dict[Key, list[str]]:
@@ -155,7 +164,7 @@ class Freezer:
         planned = self.phases.phase(step) in ("ramp", "steady")
         version = self.plan_version if planned else None
         fresh = self.drawn_at is None or step - self.drawn_at >= self.phases.redraw or self.drawn_version != version
-        if self.phases.phase(step).startswith("monitor") or fresh:
+        if self.phases.phase(step) == "monitor" or fresh:
             self.drawn = {k: draw_frozen(self.units[k[0]], r, self.gen, front_weighted=k[0] == 0)
                           for k, r in ratios.items()}
             self.drawn_at, self.drawn_version = step, version
@@ -170,12 +179,11 @@ class Freezer:
         return float(np.mean(shares)) if shares else 0.0
 
     def observe(self, step: int, trace: StepTrace) -> None:
-        phase = self.phases.phase(step)
-        if not phase.startswith("monitor"):
+        if self.phases.phase(step) != "monitor":
             return
-        bucket = self.durations["unfrozen" if phase == "monitor-unfrozen" else "frozen"]
         for a, start, end in trace.actions:
-            bucket[(a.stage, a.kind.value, a.microbatch)].append(end - start)
+            which = "frozen" if self.phases.monitor_frozen(step, a.microbatch) else "unfrozen"
+            self.durations[which][(a.stage, a.kind.value, a.microbatch)].append(end - start)
 
     # ---- the plan ------------------------------------------------------------------------------
     @staticmethod
@@ -240,11 +248,13 @@ class Freezer:
         from pipeplan.solver.plan import plan_freeze
 
         costs, freeze = self.measured_costs(measurements, cap)
-        dag = build_freeze_dag(sched, costs, freeze)
         medians = self.action_durations(measurements)
+        frozen_i = [v for (s, k, _mb), v in medians["frozen"].items() if s == 0 and k == "I"]
+        dag = build_freeze_dag(sched, costs, freeze, input_min_s=statistics.median(frozen_i) if frozen_i else 0.0)
         w_max, w_min = dag.w_max.copy(), dag.w_min.copy()
-        for i in dag.freezable.tolist():  # each freezable action's own medians (the LP's variables); the
-            a = dag.actions[i]            # others keep their chunk's, which the simulator's check also uses
+        tied = dag.tied.tolist() if dag.tied is not None else []
+        for i in dag.freezable.tolist() + tied:  # each freezable (and tied) action's own medians: the LP's
+            a = dag.actions[i]                   # variables; the others keep their chunk's, as the simulator
             key = (a.stage, a.kind.value, a.microbatch)
             if key in medians["unfrozen"]:
                 w_max[i] = medians["unfrozen"][key]
@@ -253,7 +263,7 @@ class Freezer:
         plan = plan_freeze(sched, costs, freeze, baselines=False, dag=dag)  # LP, verified in the simulator
         from pipeplan.sim.engine import simulate
 
-        unfrozen = {dag.actions[i]: float(w_max[i]) for i in dag.freezable.tolist()}
+        unfrozen = {dag.actions[i]: float(w_max[i]) for i in dag.freezable.tolist() + tied}
         self.unfrozen_makespan_s = simulate(sched, costs, unfrozen).makespan_s
         self.plan = dict.fromkeys(keys, 0.0)
         for node, ratio in zip(plan.dag.freezable.tolist(), plan.solution.ratio.tolist(), strict=True):

@@ -36,10 +36,13 @@ the CPU the same calls inline, into a separate host buffer, which exercises the 
 meter tell device-resident from offloaded bytes). They come back ahead of need: the executor calls
 `prefetch()` for a chunk-microbatch a few actions before its backward, which issues the host-to-device
 copies on the copy stream and records an event; the backward's unpack only makes the compute stream wait
-for that event. A tensor not prefetched is copied back when unpacked (counted as `demand_bytes`). The hooks
-do not see what checkpoint keeps, so the checkpoint wrapper reports its inputs' bytes to the active meter,
-and the op-level policy the outputs it tells torch to keep. Each policy keeps exactly the per-layer bytes
-the cost model counts for it (sim/activations.py, sim/layer_ops.py; tests/test_runtime_recompute.py).
+for that event. A tensor not prefetched is copied back when unpacked (counted as `demand_bytes`). Offload
+and metering go by storage: autograd saves some tensors twice and several views of one storage, which move
+out (and back) once, as one copy of the whole storage; a storage is known by a weak reference to it, so a new
+storage at a freed one's address counts anew. The hooks see checkpoint's inputs (it saves them through
+autograd) but not the op-level policy's cache, so that policy reports the outputs it tells torch to keep.
+Each policy keeps exactly the per-layer bytes the cost model counts for it (sim/activations.py,
+sim/layer_ops.py; tests/test_runtime_recompute.py).
 """
 
 from __future__ import annotations
@@ -208,9 +211,8 @@ chunk to "full" or "none" before it gets here)."""
 
 
 def _checkpointed(forward, *args, context_fn: Callable | None = None):
-    meter: SavedTensors | None = getattr(_active, "meter", None)
-    if meter is not None and torch.is_grad_enabled():
-        meter.add(*args)  # checkpoint keeps its inputs alive for the recomputation
+    # checkpoint keeps its inputs for the recomputation through autograd (save_for_backward in its
+    # _NoopSaveInputs), so the meter's hooks see them and may offload them: not reported separately
     if context_fn is None:
         return checkpoint(forward, *args, use_reentrant=False)
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn)
@@ -289,6 +291,28 @@ _VIEW_NODES = {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", 
 _CAST_NODE = "ToCopyBackward0"
 
 
+@dataclass(frozen=True)
+class _Offloaded:
+    """What a saved tensor packs to when its storage is in host memory: the storage's copy (one per storage,
+    shared by every tensor saved on it) and where in it the tensor lies."""
+
+    copy: HostCopy
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+    def get(self) -> torch.Tensor:
+        storage = self.copy.get().untyped_storage()
+        return torch.empty(0, dtype=self.dtype, device=self.copy.device).set_(
+            storage, self.offset, self.size, self.stride)
+
+
+def _whole_storage(t: torch.Tensor) -> torch.Tensor:
+    """t's whole storage as bytes (a view: what offload copies, so every tensor on it comes back)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
 class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
     """Meter (and offload a share of) what autograd saves inside the context; see the module docstring."""
 
@@ -296,7 +320,9 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
         self.param_ptrs = param_ptrs
         self.share = offload_share
         self.stream = stream
-        self.seen: set[int] = set()
+        # storages seen, by address: a weak reference to the storage itself (a dead one means the address was
+        # freed and may hold a new storage now) and its host copy when it was offloaded
+        self._storages: dict[int, tuple[weakref.ref, HostCopy | None]] = {}
         self.device_bytes = 0  # saved activations that stay on the device
         self.host_bytes = 0  # saved activations moved to host memory
         self.offloaded: list[HostCopy] = []
@@ -327,12 +353,19 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
                 self.device_bytes += t.untyped_storage().nbytes()
 
     def count(self, t: torch.Tensor) -> bool:
-        """True the first time t's storage is seen (parameters never count)."""
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self.param_ptrs or ptr in self.seen:
+        """True the first time t's storage is seen (parameters never count); a new storage at a freed one's
+        address is a new storage."""
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.param_ptrs or self._seen(storage) is not None:
             return False
-        self.seen.add(ptr)
+        self._storages[ptr] = (weakref.ref(storage), None)
         return True
+
+    def _seen(self, storage: torch.UntypedStorage) -> tuple[weakref.ref, HostCopy | None] | None:
+        """The record of this very storage (alive: storages keep their Python object while they live)."""
+        hit = self._storages.get(storage.data_ptr())
+        return hit if hit is not None and hit[0]() is storage else None
 
     def regenerate(self, t: torch.Tensor, fn: Callable[[], torch.Tensor]) -> None:
         """Save `t` (and its views and cast copies) as a token that calls fn() when the backward unpacks it,
@@ -371,16 +404,24 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
             source = self._regenerable(t)
             if source is not None:
                 return _Regenerated(source, t.dtype, t.size(), t.stride(), t.storage_offset())
-        size = t.untyped_storage().nbytes() if self.count(t) else 0
+        storage = t.untyped_storage()
+        seen = self._seen(storage)
+        if seen is not None:  # saved before (autograd saves some tensors twice, and views of one storage)
+            copy = seen[1]
+            return t if copy is None else _Offloaded(copy, t.dtype, t.size(), t.stride(), t.storage_offset())
+        size = storage.nbytes()
+        ref = weakref.ref(storage)
         if self.share <= 0 or self.host_bytes >= self.share * (self.host_bytes + self.device_bytes + size):
             self.device_bytes += size
+            self._storages[storage.data_ptr()] = (ref, None)
             return t
         self.host_bytes += size
         if self.stream is None:
             self.stream = CopyStream(t.device)
-        handle = HostCopy(t, self.stream)
-        self.offloaded.append(handle)
-        return handle
+        copy = HostCopy(_whole_storage(t), self.stream)
+        self._storages[storage.data_ptr()] = (ref, copy)
+        self.offloaded.append(copy)
+        return _Offloaded(copy, t.dtype, t.size(), t.stride(), t.storage_offset())
 
     def prefetch(self) -> int:
         """Issue the copies back to the device for every offloaded tensor not yet on its way, the last saved
@@ -396,10 +437,11 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
     def _unpack(self, packed):
         if isinstance(packed, _Regenerated):
             return packed.get()
-        if not isinstance(packed, HostCopy):
+        if not isinstance(packed, _Offloaded):
             return packed
-        if packed.back is None:  # not prefetched: copied back now, on the compute stream
-            self.demand_bytes += packed.nbytes
+        if packed.copy.back is None:  # not prefetched: copied back now (once per storage)
+            self.demand_bytes += packed.copy.nbytes
+            packed.copy.fetch()
         return packed.get()
 
 

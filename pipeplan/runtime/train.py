@@ -17,7 +17,7 @@ from pipeplan.common.io import atomic_write_text
 from pipeplan.runtime import checkpoint
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.data import TokenData
-from pipeplan.runtime.executor import PipelineExecutor, StepTrace
+from pipeplan.runtime.executor import PipelineExecutor, StepTrace, device_peak_bytes
 from pipeplan.runtime.freeze import FreezePhases, Freezer
 from pipeplan.runtime.memory import apply_policy, run_memory
 from pipeplan.runtime.model import ModelArgs
@@ -78,16 +78,6 @@ class StepRecord:
     @classmethod
     def from_plain(cls, d: dict) -> StepRecord:
         return cls(**{**d, "trace": StepTrace.from_plain(d["trace"])})
-
-
-def reset_device_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def device_peak_bytes(device: torch.device) -> int | None:
-    """The CUDA allocator's peak since the last reset; None on the CPU (no allocator to ask)."""
-    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
 
 
 @dataclass
@@ -168,7 +158,6 @@ class Trainer:
         self.executor.profile_backward = profiled
         phase = ("profile" if profiled else "plain") if self.cfg.profile else self.freezer.phases.phase(step)
         batches = self.data.step(step, self.schedule.num_microbatches) if self.data is not None else None
-        reset_device_peak(self.device)
         dist.barrier()
         t0, cpu0 = self.now(), time.process_time()
         trace = self.executor.run_step(batches, frozen)
@@ -176,7 +165,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        trace.peak_device_bytes = device_peak_bytes(self.device)  # the optimizer step's included
+        trace.peak_device_bytes = device_peak_bytes(self.device)  # since run_step's reset: the optimizer's included
         record = StepRecord(step, phase, self.now() - t0, trace, self.freezer.realized_ratio(),
                             time.process_time() - cpu0)
         self.freezer.observe(step, trace)

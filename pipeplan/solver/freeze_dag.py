@@ -1,7 +1,10 @@
 """The step graph (sim/graph.py) plus freezable durations: the arrays the freeze LP is written over.
 
 Node i < len(actions) is `actions[i]`, in per-rank order. Each node has an unfrozen duration w_max and a
-fully frozen duration w_min (equal unless the node is freezable: B, or W when backward is split). Edges keep
+fully frozen duration w_min (equal unless the node is freezable: B, or W when backward is split, or tied).
+The first chunk needs no input gradient (its input is tokens), so freezing shortens its backward's input
+part too: its fully frozen B does nothing (freeze_bounds), and with a split backward its I is a tied node,
+w_max - (w_max - w_min) r with r its W's ratio (one LP column for both), down to nothing when fully frozen. Edges keep
 the step graph's precedence with its transfer delays, minus same-rank edges already implied by the rank's order
 (F -> B of one stage and microbatch, I -> W, and F(s) -> F(s+1) when both chunks share a rank), which would
 only be redundant LP rows.
@@ -70,6 +73,8 @@ class FreezeDag:
     copy_nodes: int = 0  # copy-engine nodes (offloads, prefetches, optimizer-step copies)
     copies: CopyOrder | None = None  # the copy order those nodes are chained in (None: no copies)
     graph: StepGraph | None = None  # the step graph these arrays are (node kinds, copy-node keys)
+    tied: np.ndarray | None = None  # (n_tied,) nodes shortened by another action's freeze ratio: the first
+    tied_slot: np.ndarray | None = None  # stage's I, by its W's ratio (slot into `freezable`); see below
 
     @property
     def n_actions(self) -> int:
@@ -87,7 +92,17 @@ class FreezeDag:
         """(n_nodes,) every node's duration at freeze ratios `ratio` (aligned with `freezable`)."""
         dur = self.w_max.copy()
         dur[self.freezable] = self.durations(ratio)
+        if self.tied is not None and len(self.tied):
+            lo, hi = self.w_min[self.tied], self.w_max[self.tied]
+            dur[self.tied] = hi - (hi - lo) * ratio[self.tied_slot]
         return dur
+
+    def action_durations(self, ratio: np.ndarray) -> dict[Action, float]:
+        """The actions whose duration freezing changes (freezable and tied), at freeze ratios `ratio`: what
+        the engine is given to simulate the planned step."""
+        dur = self.node_durations(ratio)
+        nodes = self.freezable if self.tied is None else np.concatenate([self.freezable, self.tied])
+        return {self.actions[i]: float(dur[i]) for i in nodes.tolist()}
 
     def earliest_starts(self, duration: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """ASAP start of every node and the in-edge that sets it (-1 for none), in topological order, as
@@ -159,12 +174,16 @@ class FreezeDag:
 
 
 def freeze_bounds(costs: CostTable, freeze: FreezeConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Per chunk, the fully frozen B and W durations; FreezeInputError if one exceeds the unfrozen time."""
+    """Per chunk, the fully frozen B and W durations; FreezeInputError if one exceeds the unfrozen time. A
+    fully frozen B computes only the input gradient, except on the first chunk, which needs none (its input
+    is tokens): there it does nothing (the runtime's backward does not run, runtime/executor.py)."""
     chunks = costs.num_chunks
     b_max = costs.backward_input_s + costs.backward_weight_s
-    b_min = (
-        costs.backward_input_s if freeze.backward_min_s is None else _per_chunk(freeze.backward_min_s, chunks)
-    )
+    if freeze.backward_min_s is None:
+        b_min = costs.backward_input_s.copy()
+        b_min[0] = 0.0
+    else:
+        b_min = _per_chunk(freeze.backward_min_s, chunks)
     w_min = np.zeros(chunks) if freeze.weight_min_s is None else _per_chunk(freeze.weight_min_s, chunks)
     for key, lo, hi, unfrozen in (
         ("backward_min_s", b_min, b_max, "backward_input_s + backward_weight_s"),
@@ -192,9 +211,11 @@ def build_freeze_dag(
     recompute_s: np.ndarray | None = None,
     memory: MemoryPlan | None = None,
     copies: CopyOrder | None = None,
+    input_min_s: float = 0.0,
 ) -> FreezeDag:
     """The step's DAG as arrays; `recompute_s` (per chunk) lengthens every B and I, frozen or not; a
-    `memory` plan that copies adds its copy-engine nodes in the grant order `copies` (see copy_order)."""
+    `memory` plan that copies adds its copy-engine nodes in the grant order `copies` (see copy_order);
+    `input_min_s` is the first chunk's I when every parameter is frozen."""
     chunks = costs.num_chunks
     b_min, wt_min = freeze_bounds(costs, freeze)
     curves = freeze.curves(chunks)
@@ -211,6 +232,13 @@ def build_freeze_dag(
     for i in freezable:
         a = actions[i]
         w_min[i] = b_min[a.stage] if a.kind is Kind.B else wt_min[a.stage]
+    # the first chunk needs no input gradient: its I only carries gradients back to earlier weights, so it
+    # shrinks with its W's ratio and is skipped when every parameter is frozen (input_min_s, default 0)
+    slot_of = {actions[i]: k for k, i in enumerate(freezable.tolist())}
+    tied = np.fromiter((i for i, a in enumerate(actions) if a.kind is Kind.I and a.stage == 0
+                        and Action(0, Kind.W, a.microbatch) in slot_of), np.int64)
+    tied_slot = np.fromiter((slot_of[Action(0, Kind.W, actions[i].microbatch)] for i in tied), np.int64, len(tied))
+    w_min[tied] = input_min_s
     if recompute_s is not None and recompute_s.any():
         extra = np.fromiter((recompute_s[a.stage] if a.kind in BACKWARD_KINDS else 0.0 for a in actions),
                             np.float64, len(actions))
@@ -232,6 +260,7 @@ def build_freeze_dag(
     return FreezeDag(
         schedule, actions, graph.duration, np.concatenate([w_min, fixed]), freezable, graph.edge_u, graph.edge_v,
         graph.edge_delay, graph.sinks, curves, link_nodes, copy_nodes, copies if copy_nodes else None, graph,
+        tied, tied_slot,
     )
 
 

@@ -10,6 +10,7 @@ fully frozen durations w̄_a >= w_a (Δ_a = w̄_a - w_a; nodes off F have a fixe
                T >= 0                   makespan
 
     precedence t_v - t_u - d_u >= δ_uv                                                   (u, v) ∈ E
+               (a tied node u, the first chunk's I, has d_u = w̄_u - Δ_u r_w with w its W: no new column)
     makespan   T - t_a - d_a >= 0                                           a last on its rank
     cap        Σ_{a ∈ F, s(a) = s} r_a <= cap · |{a ∈ F : s(a) = s}|                     every chunk s
     curve      d_a >= w_a + Δ_a (α_k + β_k r_a)     each segment k of the chunk's convex share c(r)
@@ -164,6 +165,8 @@ def _build(dag: FreezeDag, cap: float, max_ratio: float, tau: float) -> _Model:
         dur_col[fz], dur_coef[fz] = r, -delta
     else:
         dur_col[fz], dur_coef[fz], dur_const[fz] = d, 1.0, 0.0
+    if dag.tied is not None and len(dag.tied):  # the first chunk's I: w̄ - Δ r on its W's ratio column
+        dur_col[dag.tied], dur_coef[dag.tied] = r[dag.tied_slot], -(w_max - w_min)[dag.tied]
 
     def finish_rows(u: np.ndarray, later: np.ndarray, gap: np.ndarray) -> None:
         """x[later] - t_u - dur_u >= gap, one row per entry of u."""

@@ -100,15 +100,14 @@ class FreezePlan:
         return [float(x) for x in np.divide(total, np.maximum(count, 1))]
 
     def durations(self) -> dict[Action, float]:
-        acts = self.dag.actions
-        return {acts[i]: float(d) for i, d in zip(self.dag.freezable, self.solution.duration_s, strict=True)}
+        """The planned duration of every action freezing changes (freezable, and the first chunk's I)."""
+        return self.dag.action_durations(self.solution.ratio)
 
     def actions_table(self) -> list[dict[str, Any]]:
         """One entry per action of the step, freezable or not, in per-rank order."""
         ratio = np.zeros(self.dag.n_actions)
-        dur = self.dag.w_max[: self.dag.n_actions].copy()
+        dur = self.dag.node_durations(self.solution.ratio)[: self.dag.n_actions]
         ratio[self.dag.freezable] = self.solution.ratio
-        dur[self.dag.freezable] = self.solution.duration_s
         return [
             {
                 "stage": a.stage,
@@ -154,7 +153,7 @@ def plan_freeze(
     while True:
         rounds += 1
         solution = solve_freeze_lp(dag, freeze.cap, freeze.max_ratio)
-        planned = simulate(schedule, costs, _durations(dag, solution.duration_s), memory=memory)
+        planned = simulate(schedule, costs, dag.action_durations(solution.ratio), memory=memory)
         if dag.copies is None:
             break
         order = copy_order(planned)
@@ -215,7 +214,7 @@ def compare_baselines(plan: FreezePlan) -> list[BaselineResult]:
 
 
 def _simulate_ratios(plan: FreezePlan, name: str, ratio: np.ndarray) -> BaselineResult:
-    durations = _durations(plan.dag, plan.dag.durations(ratio))
+    durations = plan.dag.action_durations(ratio)
     result = simulate(plan.schedule, plan.costs, durations, memory=plan.memory)
     mean = float(ratio.mean()) if ratio.size else 0.0
     return BaselineResult(name, mean, result.makespan_s, plan.baseline.makespan_s)
@@ -230,7 +229,7 @@ def uniform_ratio_to_match(plan: FreezePlan, tol: float = 1e-4) -> float | None:
     def makespan(r: float) -> float:
         if dag.copy_nodes:  # copies may reorder with the durations: ask the engine itself
             ratio = np.full(len(dag.freezable), r)
-            durations = _durations(dag, dag.durations(ratio))
+            durations = dag.action_durations(ratio)
             return simulate(plan.schedule, plan.costs, durations, memory=plan.memory).makespan_s
         dur = dag.node_durations(np.full(len(dag.freezable), r))
         asap = dag.earliest_starts(dur)
@@ -248,9 +247,6 @@ def uniform_ratio_to_match(plan: FreezePlan, tol: float = 1e-4) -> float | None:
     return hi
 
 
-def _durations(dag: FreezeDag, duration_s: np.ndarray) -> dict[Action, float]:
-    acts = dag.actions
-    return {acts[i]: float(d) for i, d in zip(dag.freezable, duration_s, strict=True)}
 
 
 # ---- cap sweep ------------------------------------------------------------------------------------

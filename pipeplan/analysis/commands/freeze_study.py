@@ -5,8 +5,10 @@
     pipeplan freeze-study --caps 0,0.9 --tokens 8192 --set model.layers=2   # a quick look
 
 The same model from the same seed is trained once per cap, to the same number of tokens, on the same data:
-`--data pydoc` (the Python Language Reference topics that ship with CPython, runtime/data.py; the last
-tenth of every topic is held out). Each run is `pipeplan run --freeze timelyfreeze --cap C` (warm-up,
+`--corpus python` (default: the standard library's sources and Language Reference topics that ship with
+CPython) or `--corpus pydoc` (the topics alone); a tenth of the documents is held out, and evaluation windows
+are drawn only where their bytes occur nowhere in training (runtime/corpus.py).
+Each run is `pipeplan run --freeze timelyfreeze --cap C` (warm-up,
 monitoring, the LP, a ramp of the cap), so cap 0 has the same phases with a plan that freezes nothing.
 After each run the final weights (from its end-of-run checkpoint) are evaluated on held-out text.
 
@@ -61,9 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(default_scenario=DEFAULT_SCENARIO)
     parser.add_argument("--caps", default=DEFAULT_CAPS, help=f"freeze caps, one run each (default {DEFAULT_CAPS})")
     parser.add_argument("--tokens", type=int, default=65536, help="tokens each run trains on (default 65536)")
+    parser.add_argument("--corpus", default="python", choices=("python", "pydoc"),
+                        help="text to train and evaluate on (default python: stdlib sources and docs)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument("--freeze-warmup", type=int, default=2, help="steps before freezing (default 2)")
-    parser.add_argument("--freeze-monitor", type=int, default=2, help="monitoring steps (default 2)")
+    parser.add_argument("--freeze-monitor", type=int, default=8,
+                        help="monitoring steps, half of each action's samples frozen (default 8)")
     parser.add_argument("--freeze-ramp", type=int, default=4, help="steps to ramp the cap up (default 4)")
     parser.add_argument("--freeze-redraw", type=int, default=5, help="re-draw frozen sets every K steps (default 5)")
     parser.add_argument("--out", default="out/freeze-study", help="output folder (default: out/freeze-study)")
@@ -90,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tokens < 1:
         raise PipeplanError(f"--tokens: must be >= 1 (got {args.tokens})")
     scenario = args.scenario or str(scenario_path(DEFAULT_SCENARIO))
-    base = RunConfig(scenario=scenario, overrides=overrides(args), schedule_csv=args.schedule_csv, data="pydoc",
+    base = RunConfig(scenario=scenario, overrides=overrides(args), schedule_csv=args.schedule_csv, data=args.corpus,
                      seed=args.seed, lr=args.lr, freeze="timelyfreeze", freeze_warmup=args.freeze_warmup,
                      freeze_monitor=args.freeze_monitor, freeze_ramp=args.freeze_ramp,
                      freeze_redraw=args.freeze_redraw, device=args.device, timeout_s=args.timeout_s,
@@ -103,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         raise PipeplanError(f"--tokens {args.tokens}: {steps} steps of {tokens_per_step} tokens leave no steady "
                             f"steps after warm-up, monitoring and ramp ({first_steady}); give more tokens")
     console.print(f"{len(caps)} runs of {steps} steps x {tokens_per_step} tokens ({steps * tokens_per_step:,} "
-                  f"tokens) on pydoc text; {sched.name} p={sched.num_ranks} m={sched.num_microbatches}")
+                  f"tokens) on {args.corpus} text; {sched.name} p={sched.num_ranks} m={sched.num_microbatches}")
     try:
         study = run_study(args, caps, base, steps, tokens_per_step, sched)
     except JobFailed as exc:
@@ -158,7 +163,7 @@ def run_study(args: argparse.Namespace, caps: list[float], base: RunConfig, step
         from pipeplan.analysis.freeze_study_plots import loss_curves
 
         loss_curves({cap: pd.read_csv(stage / f"cap-{cap:g}" / "metrics.csv") for cap in caps}, tokens_per_step,
-                    stage / "loss_curves.png", f"{sched.name} p={sched.num_ranks}: TimelyFreeze caps, pydoc text")
+                    stage / "loss_curves.png", f"{sched.name} p={sched.num_ranks}: TimelyFreeze caps, {base.data} text")
     return table
 
 
@@ -207,7 +212,7 @@ def heldout_loss(cfg, ckpt: Path, ranks: int) -> float:
     model = build_model(ModelArgs.from_scenario(sc.model), "cpu", cfg.seed)
     model.load_state_dict(weights)
     batches = heldout_batches(sc.model.vocab, sc.model.seq_len, sc.training.micro_batch_size,
-                              HELDOUT_MICROBATCHES, cfg.seed)
+                              HELDOUT_MICROBATCHES, cfg.seed, corpus=cfg.data)
     cpu = torch.device("cpu")
     with torch.no_grad(), autocast(cpu, AUTOCAST[sc.training.dtype]):
         return float(sum(cross_entropy(model(x), y) for x, y in batches) / len(batches))

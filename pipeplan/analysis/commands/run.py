@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--freeze", choices=FREEZE_MODES, default="none", help="freezing (default none)")
     parser.add_argument("--cap", type=float, help="freeze cap: mean ratio per stage (default: the scenario's)")
     parser.add_argument("--freeze-warmup", type=int, default=2, help="steps before freezing (default 2)")
-    parser.add_argument("--freeze-monitor", type=int, default=2, help="monitoring steps (default 2)")
+    parser.add_argument("--freeze-monitor", type=int, default=8,
+                        help="monitoring steps, half of each action's samples frozen (default 8)")
     parser.add_argument("--freeze-ramp", type=int, default=2,
                         help="steps over which the cap ramps up, the plan re-solved each step (default 2)")
     parser.add_argument("--freeze-redraw", type=int, default=5, help="re-draw frozen sets every K steps (default 5)")
