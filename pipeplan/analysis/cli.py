@@ -109,11 +109,11 @@ def exit_missing(command: str, exc: ModuleNotFoundError) -> None:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input: reported as one line with exit code 2."""
-    from pipeplan.common.io import OutputError
+    from pipeplan.common.io import InputError, OutputError
     from pipeplan.sim.errors import PipeplanError
 
     lcp_errors = sys.modules.get("pipeplan.lcp.errors")  # only raised if lcp was imported; importing it costs torch
-    return (PipeplanError, OutputError, *([lcp_errors.LCPError] if lcp_errors else []))
+    return (PipeplanError, OutputError, InputError, *([lcp_errors.LCPError] if lcp_errors else []))
 
 
 def describe_unexpected(exc: BaseException) -> str:

@@ -27,7 +27,6 @@ checkpoint other nodes cannot read. `check_resumable` checks, on every node, tha
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeplan.common.io import short_path
+from pipeplan.common.io import atomic_file, atomic_write_text, short_path
 from pipeplan.sim.errors import PipeplanError
 
 
@@ -47,15 +46,11 @@ def save(root: str | Path, step: int, rank: int, state: dict) -> None:
     folder = step_dir(root, step)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"rank-{rank}.pt"
-    tmp = path.with_suffix(".pt.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    with atomic_file(path) as f:  # a unique temporary, created exclusively: never a planted link followed
+        torch.save(state, f)
     dist.barrier()
     if rank == 0:
-        latest = Path(root) / "latest"
-        tmp_latest = latest.with_suffix(".tmp")
-        tmp_latest.write_text(f"{step}\n")
-        os.replace(tmp_latest, latest)
+        atomic_write_text(Path(root) / "latest", f"{step}\n")
     dist.barrier()
 
 

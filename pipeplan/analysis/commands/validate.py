@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         validation_table,
     )
     from pipeplan.analysis.validation_plots import parity_plot, print_summary
-    from pipeplan.common.io import atomic_write_text
+    from pipeplan.common.io import atomic_write_text, csv_text
 
     path = Path(args.published) if args.published else PUBLISHED_CSV
     figures = load_published(path)  # bad input is one line, before any progress bar
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         predictions = predict_all(figures, folder=path.parent, progress=step)
     table = pd.DataFrame(validation_table(predictions), columns=list(OUTPUT_COLUMNS))
     with output_folder(args) as stage:
-        atomic_write_text(stage / "validation.csv", table.to_csv(index=False))
+        atomic_write_text(stage / "validation.csv", csv_text(table))
         parity_plot(predictions, stage / "parity.png")
     print_summary(summarize(predictions), predictions)
     print(f"wrote {args.out}/: validation.csv parity.png")
