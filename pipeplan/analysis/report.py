@@ -238,8 +238,9 @@ def _inline(text: str) -> str:
     return "".join(f"<strong>{p}</strong>" if i % 2 else p for i, p in enumerate(parts))
 
 
-MD_SPECIAL = re.compile(r"([\\`*_\[\]!|~])")
-"""Characters that make Markdown of plain text: emphasis, code, links and images, table cells, strikethrough."""
+MD_SPECIAL = re.compile(r"([\\`*\[\]!|~]|(?<!\w)_|_(?!\w))")
+"""Characters that make Markdown of plain text: emphasis, code, links and images, table cells, strikethrough;
+an underscore only at a word's edge (inside a word, as in `makespan_s`, CommonMark never reads it as emphasis)."""
 
 
 def md_escape(text: Any) -> str:

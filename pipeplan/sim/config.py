@@ -14,8 +14,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pipeplan.common.io import InputError, read_input_bytes
 from pipeplan.sim.errors import ScenarioError
-from pipeplan.sim.limits import check_scenario_limits
+from pipeplan.sim.limits import MAX_SCENARIO_BYTES, check_scenario_limits
 
 NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Pos = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -587,13 +588,11 @@ def load_scenario(path: str | Path | None = None, overrides: dict[str, Any] | No
     """Read and validate a scenario TOML (None: the built-in default; a shipped scenario's name, e.g.
     "tiny-cpu", also works); `overrides` maps dotted keys to values."""
     path = resolve_scenario_path(path)
-    try:
-        with path.open("rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise ScenarioError(f"scenario {path}: file not found") from None
-    except IsADirectoryError:
-        raise ScenarioError(f"scenario {path}: is a folder; give a .toml file") from None
+    try:  # a regular file of bounded size: a fifo is refused before it is opened, 2 GiB before it is read
+        raw = tomllib.loads(read_input_bytes(path, MAX_SCENARIO_BYTES, "scenario").decode().removeprefix("\ufeff"))
+    except InputError as exc:
+        raise ScenarioError(str(exc).replace("is a folder, not a regular file; give a file", "is a folder; give a "
+                                             ".toml file")) from None
     except tomllib.TOMLDecodeError as exc:
         raise ScenarioError(f"scenario {path}: not valid TOML ({exc})") from None
     except UnicodeDecodeError:

@@ -37,6 +37,10 @@ def run(args: argparse.Namespace) -> int:
     from pipeplan.analysis.validation_plots import parity_plot, print_summary
     from pipeplan.common.io import atomic_write_text, csv_text
 
+    if args.published is not None and not args.published.strip():  # '' is a mistake, not "the default set"
+        from pipeplan.sim.errors import PipeplanError
+
+        raise PipeplanError("--published: empty path; give a CSV file, or leave the flag out for the shipped set")
     path = Path(args.published) if args.published else PUBLISHED_CSV
     figures = load_published(path)  # bad input is one line, before any progress bar
     with transient_bar() as bar:
