@@ -358,3 +358,40 @@ def test_resumed_rows_with_bad_metric_cells_are_recomputed(column, cell, tmp_pat
     assert sorted(again["config_id"]) == sorted(first["config_id"])
     assert again.set_index("config_id")[column].astype(str).to_dict() == \
         first.set_index("config_id")[column].astype(str).to_dict()
+
+
+# ---- hangs: a Dask scheduler that never answers, schemes pipeplan cannot use -------------------------------
+@pytest.fixture
+def silent_port():
+    """A TCP port that accepts connections and never says a word."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    yield server.getsockname()[1]
+    server.close()
+
+
+def test_a_silent_scheduler_is_refused_in_bounded_time_before_the_folder_is_claimed(silent_port, tmp_path, capfd):
+    import time
+
+    out = tmp_path / "sw"
+    start = time.monotonic()
+    assert main(["sweep", EIGHT_B, "--grid", "pipeline.microbatches=8,16", "--scheduler",
+                 f"tcp://127.0.0.1:{silent_port}", "--out", str(out)]) == 2
+    assert time.monotonic() - start < 30  # 5 s of probe, the rest loading the scenario on a busy machine
+    err = capfd.readouterr().err
+    assert "no Dask scheduler answered within 5 s" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("address", ["tls://127.0.0.1:8786", "ucx://127.0.0.1:8786"])
+def test_unsupported_scheduler_schemes_are_one_line(address, tmp_path, capfd):
+    out = tmp_path / "sw"
+    assert main(["sweep", EIGHT_B, "--grid", "pipeline.microbatches=8,16", "--scheduler", address,
+                 "--out", str(out)]) == 2
+    err = capfd.readouterr().err
+    assert err.strip().splitlines() == [f"pipeplan sweep: error: --scheduler {address}: scheme "
+                                        f"{address[:3]}:// is not supported; give tcp://HOST:PORT"], err
+    assert not out.exists()

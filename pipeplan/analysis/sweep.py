@@ -395,9 +395,10 @@ def _run_on_cluster(
         from distributed import Client, as_completed
     except ImportError:
         raise PipeplanError("--scheduler: needs Dask distributed; install pipeplan[cluster]") from None
+    probe_scheduler(str(scheduler))
     try:
-        client = Client(scheduler, timeout="10s", set_as_default=False)
-    except (OSError, TimeoutError, ValueError) as exc:
+        client = Client(scheduler, timeout=f"{SCHEDULER_TIMEOUT_S:g}s", set_as_default=False)
+    except Exception as exc:
         raise PipeplanError(f"--scheduler {scheduler}: cannot reach a Dask scheduler there ({exc})") from None
     with client:
         if scenario is not None:  # workers may run elsewhere: give them an absolute path, not a name
@@ -410,6 +411,43 @@ def _run_on_cluster(
                 yield fut.result()
         finally:
             client.cancel(futures)
+
+
+SCHEDULER_SCHEMES = ("tcp", "inproc")
+"""--scheduler schemes a sweep connects with: tls:// needs certificates (a Security object) pipeplan does not take,
+ucx:// a package it does not install; inproc:// is a cluster inside this process (tests)."""
+SCHEDULER_TIMEOUT_S = 5.0
+"""A Dask scheduler that has not answered its identity call by then is taken as unreachable."""
+
+
+def probe_scheduler(address: str, timeout_s: float = SCHEDULER_TIMEOUT_S) -> None:
+    """Ask the scheduler at `address` who it is, within `timeout_s`; PipeplanError if it does not answer. Dask's
+    Client(timeout=...) bounds the TCP connect only: a port that accepts and never speaks holds it forever."""
+    import asyncio
+
+    scheme = address.split("://", 1)[0] if "://" in address else "tcp"
+    if scheme not in SCHEDULER_SCHEMES:
+        raise PipeplanError(f"--scheduler {address[:80]}: scheme {scheme[:20]}:// is not supported; give "
+                            "tcp://HOST:PORT")
+    if scheme == "inproc":  # a cluster in this process: nothing can be silent there
+        return
+    from distributed.core import rpc
+
+    async def identity() -> object:
+        remote = rpc(address, timeout=timeout_s)
+        try:
+            return await remote.identity()
+        finally:
+            await remote.close_rpc()
+
+    try:
+        asyncio.run(asyncio.wait_for(identity(), timeout_s))
+    except TimeoutError:
+        raise PipeplanError(f"--scheduler {address[:80]}: no Dask scheduler answered within {timeout_s:g} s") \
+            from None
+    except Exception as exc:  # refused, unreachable, or something that is not a Dask scheduler answering
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:80]
+        raise PipeplanError(f"--scheduler {address[:80]}: cannot reach a Dask scheduler there ({first})") from None
 
 
 def speed_column(df: pd.DataFrame) -> str:
