@@ -395,3 +395,24 @@ def test_unsupported_scheduler_schemes_are_one_line(address, tmp_path, capfd):
     assert err.strip().splitlines() == [f"pipeplan sweep: error: --scheduler {address}: scheme "
                                         f"{address[:3]}:// is not supported; give tcp://HOST:PORT"], err
     assert not out.exists()
+
+
+# ---- unbounded work: sizes refused before work -----------------------------------------------------------
+def test_a_huge_model_name_is_refused(tmp_path, capsys):
+    err = refused(["show", EIGHT_B, "--set", f"model.name={'x' * 100_000}"], capsys)
+    assert "model.name" in err and "200" in err
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--max-dim", "1000000000"], "--max-dim: 1000000000 is above the limit 65,536"),
+    (["--repeats", str(2**63)], "--repeats: 9223372036854775808 is above the limit 1,000"),
+    (["--max-dim", "64"], "--max-dim: must be >= 128 (got 64)"),
+])  # fmt: skip
+def test_profile_gemm_sizes_are_bounded(flags, expected, tmp_path, capsys):
+    assert expected in refused(["profile", "--gemm", "--device", "cpu", *flags, "--out", str(tmp_path / "o")], capsys)
+    assert not (tmp_path / "o").exists()
+
+
+def test_freeze_study_tokens_are_bounded(tmp_path, capsys):
+    err = refused(["freeze-study", "--tokens", str(10**12), "--out", str(tmp_path / "o")], capsys)
+    assert "above the limit of 1,000,000 steps per run" in err

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pipeplan.common.io import InputError, read_input_bytes
 from pipeplan.sim.errors import ScenarioError
-from pipeplan.sim.limits import MAX_SCENARIO_BYTES, check_scenario_limits
+from pipeplan.sim.limits import MAX_NAME_CHARS, MAX_SCENARIO_BYTES, check_scenario_limits
 
 NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Pos = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -118,7 +118,7 @@ class ModelConfig(_Section):
     `config` names a local Hugging Face config.json whose shape fills the keys not given here (sim/hf_config.py).
     """
 
-    name: str = "llama"
+    name: Annotated[str, Field(max_length=MAX_NAME_CHARS)] = "llama"
     architecture: Literal["llama", "gpt"] = "llama"
     config: str | None = None
     """Path of a Hugging Face config.json (relative to the scenario file); explicit keys win over it."""
