@@ -260,7 +260,7 @@ def test_resume_moves_damaged_lines_aside_and_recomputes_them(tmp_path, capsys):
 
 # ---- flags and keys that were silently ignored or misnamed (review of the capacity/fit work) ---------
 @pytest.mark.parametrize("flags, expected", [
-    (["--max-dim", "0"], "--max-dim: must be >= 64 (got 0)"),  # 0 is a value, not "use the default"
+    (["--max-dim", "0"], "--max-dim: must be >= 128 (got 0)"),  # 0 is a value, not "use the default"
     (["--threads", "0"], "--threads: must be > 0 (got 0)"),
     (["--threads", "-2"], "--threads: must be > 0 (got -2)"),
 ])  # fmt: skip

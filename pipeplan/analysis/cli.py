@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 
 RUNTIME_EXTRA = "pip install -c constraints.txt -e '.[runtime]' (or pip install 'pipeplan[runtime]')"
 
@@ -109,11 +111,11 @@ def exit_missing(command: str, exc: ModuleNotFoundError) -> None:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input: reported as one line with exit code 2."""
-    from pipeplan.common.io import OutputError
+    from pipeplan.common.io import InputError, OutputError
     from pipeplan.sim.errors import PipeplanError
 
     lcp_errors = sys.modules.get("pipeplan.lcp.errors")  # only raised if lcp was imported; importing it costs torch
-    return (PipeplanError, OutputError, *([lcp_errors.LCPError] if lcp_errors else []))
+    return (PipeplanError, OutputError, InputError, *([lcp_errors.LCPError] if lcp_errors else []))
 
 
 def describe_unexpected(exc: BaseException) -> str:
@@ -145,10 +147,38 @@ def check_outputs_first(args: argparse.Namespace) -> None:
     check_folder_owner(check_output_folder(out), command_name(args), bool(getattr(args, "force", False)))
 
 
+class Terminated(BaseException):
+    """SIGTERM (what `timeout` and job schedulers send) arrived: unwind like Ctrl-C, so staged outputs are
+    discarded and started processes stopped, then exit 143 (128 + 15)."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    if os.getpid() != _MAIN_PID[0]:  # a forked child (a sweep's worker): die as it would have
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    raise Terminated
+
+
+_MAIN_PID = [0]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(only=chosen).parse_args(argv)
+    if threading.current_thread() is not threading.main_thread():
+        return _dispatch(args)
+    _MAIN_PID[0] = os.getpid()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _dispatch(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    """Run the chosen command; every error becomes one line and an exit code (module docstring)."""
     prefix = f"pipeplan {args.command}: error: "
     try:
         check_outputs_first(args)
@@ -166,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"pipeplan {args.command}: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"pipeplan {args.command}: terminated (SIGTERM); nothing was written", file=sys.stderr)
+        return 143
     except Exception as exc:  # every error is one line: an unanticipated one too (PIPEPLAN_TRACEBACK=1: raise)
         if os.environ.get("PIPEPLAN_TRACEBACK"):
             raise

@@ -11,9 +11,14 @@ from __future__ import annotations
 import base64
 import csv
 import html
+import io
 import json
+import os
+import re
+import stat
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pandas as pd
 
@@ -21,11 +26,47 @@ from pipeplan.common.units import GIB
 from pipeplan.sim.errors import PipeplanError
 
 MAX_ROWS = 30
+MAX_FILE_BYTES = 64 * 2**20
+"""The largest file a report reads (pipeplan's own CSVs of a 100,000-row sweep are ~30 MiB)."""
+MAX_CSV_COLUMNS = 1000
+"""The widest CSV a report reads; pipeplan writes at most a few hundred columns (a sweep's grid keys + metrics)."""
+READ_SUFFIXES = (".json", ".csv", ".png")
 LONG_TABLES = {"timeline.csv", "memory.csv"}  # per-action/per-change traces: summarised, not listed
 PRIORITY = ["summary.json", "plan.json", "meta.json", "capacity.csv", "sweep.csv", "metrics.csv", "bench.csv",
             "freeze.csv"]
 KINDS = {"plan.json": "freeze plan", "capacity.csv": "capacity", "sweep.csv": "sweep", "metrics.csv": "measured run",
          "bench.csv": "LCP benchmark", "bench_sim.csv": "simulator benchmark", "summary.json": "simulated step"}
+
+
+def check_folder_files(folder: Path) -> None:
+    """Refuse a folder whose json/csv/png entries are not all regular files of bounded size: a symlink may point
+    outside the folder (its target would be embedded in the page), and a fifo would block the reader forever."""
+    from pipeplan.common.io import short_path
+
+    for entry in os.scandir(folder):
+        if entry.name.startswith(".") or not entry.name.endswith(READ_SUFFIXES):
+            continue
+        info = entry.stat(follow_symlinks=False)
+        if stat.S_ISLNK(info.st_mode):
+            raise PipeplanError(f"report: {short_path(entry.path)} is a symlink; a report reads only the regular "
+                                "files inside its folder (copy the file in)")
+        if not stat.S_ISREG(info.st_mode) and entry.name in KINDS | {"frontier_answers.csv": "", "sweep.csv": ""}:
+            raise PipeplanError(f"report: {short_path(entry.path)} is not a regular file; give an output folder")
+        if stat.S_ISREG(info.st_mode) and info.st_size > MAX_FILE_BYTES:
+            raise PipeplanError(f"report: {short_path(entry.path)} has {info.st_size:,} bytes; a report reads files "
+                                f"of at most {MAX_FILE_BYTES:,}")
+
+
+def read_text(p: Path) -> str:
+    """A file of the folder as UTF-8 text: regular, not through a link, bounded; one line naming it otherwise."""
+    from pipeplan.common.io import read_input_bytes, short_path
+
+    data = read_input_bytes(p, MAX_FILE_BYTES, "report:", follow_links=False)
+    try:
+        return data.decode()
+    except UnicodeDecodeError as exc:
+        raise PipeplanError(f"report: {short_path(p)} is not UTF-8 text (byte {exc.start}); rerun the command "
+                            "that wrote it") from None
 
 
 def describe(folder: Path) -> str:
@@ -66,19 +107,18 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _read_schedule(p: Path) -> pd.DataFrame:
+def _read_schedule(text: str) -> pd.DataFrame:
     """torch's action-string CSV has no header: one row of actions per rank."""
-    rows = [line.split(",") for line in p.read_text().splitlines()]
+    rows = [line.split(",") for line in text.splitlines()]
     return pd.DataFrame({"rank": range(len(rows)), "actions": [" ".join(r) for r in rows]})
 
 
-def _check_complete(p: Path) -> None:
+def _check_complete(p: Path, text: str) -> None:
     """Refuse a damaged or cut-off CSV: pandas would read a short last row as blanks and a cut header as a
     table with no rows, and the answer would then be wrong ("nothing fits") rather than absent. pipeplan's
     CSVs end with a newline and give every row the header's number of fields (schedule.csv has no header)."""
     from pipeplan.common.io import short_path
 
-    text = p.read_text(errors="replace")
     if text and not text.endswith("\n"):
         raise PipeplanError(f"report: {short_path(p)} is cut off (no newline at its end); rerun the command that "
                             "wrote it")
@@ -86,6 +126,9 @@ def _check_complete(p: Path) -> None:
         return
     rows = csv.reader(text.splitlines())
     width = len(next(rows, []))
+    if width > MAX_CSV_COLUMNS:
+        raise PipeplanError(f"report: {short_path(p)} has {width:,} columns; a report reads at most "
+                            f"{MAX_CSV_COLUMNS:,}")
     for number, row in enumerate(rows, start=2):
         if len(row) != width:
             raise PipeplanError(f"report: {short_path(p)} line {number} has {len(row)} fields, its header "
@@ -103,15 +146,18 @@ def sections(folder: Path) -> list[tuple[str, str, Any]]:
     files = [p for p in files if p.name != REJECTED]
     for p in _ordered([f for f in files if f.suffix == ".json" and f.name != "trace.json"]):
         try:
-            obj = json.loads(p.read_text())
-        except json.JSONDecodeError as exc:
-            raise PipeplanError(f"report: {p} is not valid JSON ({exc})") from None
+            obj = json.loads(read_text(p))
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise PipeplanError(f"report: {p} is not valid JSON ({str(exc)[:80]})") from None
+        except ValueError as exc:  # e.g. an integer of more than 4,300 digits
+            raise PipeplanError(f"report: {p} is not valid JSON ({str(exc)[:80]})") from None
         if isinstance(obj, dict):
             out.append((p.name, "table", (_flatten(obj), "")))
     for p in _ordered([f for f in files if f.suffix == ".csv"]):
-        _check_complete(p)
+        text = read_text(p)
+        _check_complete(p, text)
         try:
-            df = _read_schedule(p) if p.name == "schedule.csv" else pd.read_csv(p)
+            df = _read_schedule(text) if p.name == "schedule.csv" else pd.read_csv(io.StringIO(text))
         except (pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
             raise PipeplanError(f"report: {p} is not a readable CSV ({exc})") from None
         if p.name in LONG_TABLES:
@@ -123,7 +169,7 @@ def sections(folder: Path) -> list[tuple[str, str, Any]]:
     for p in sorted(f for f in files if f.suffix == ".png"):
         out.append((p.name, "image", p))
     if rejected:
-        lines = len(rejected[0].read_text(errors="replace").splitlines())
+        lines = len(read_text(rejected[0]).splitlines())
         out.append((REJECTED, "note", f"{lines} damaged line(s) of sweep.csv that resuming the sweep set aside "
                                       "and computed again; not part of the results above"))
     if "trace.json" in {f.name for f in files}:
@@ -157,12 +203,13 @@ def render(folder: Path) -> tuple[str, str]:
 
     if not folder.is_dir():
         raise PipeplanError(f"report: {folder} is not a folder; give a pipeplan output folder")
+    check_folder_files(folder)
     parts = sections(folder)
     if not parts:
         raise PipeplanError(f"report: {folder} holds no pipeplan outputs (json, csv or png files)")
     kind, blocks = answer(folder)
     title = f"{TITLE}{folder.name} ({kind})"
-    md = [f"# {title}", ""]
+    md = [f"# {TITLE}{md_escape(f'{folder.name} ({kind})')}", ""]
     body = [f"<h1>{html.escape(title)}</h1>"]
     shown = {b.payload.name for b in blocks if b.kind == "image"}
     for b in blocks:
@@ -192,32 +239,53 @@ def _inline(text: str) -> str:
     return "".join(f"<strong>{p}</strong>" if i % 2 else p for i, p in enumerate(parts))
 
 
+MD_SPECIAL = re.compile(r"([\\`*\[\]!|~]|(?<!\w)_|_(?!\w))")
+"""Characters that make Markdown of plain text: emphasis, code, links and images, table cells, strikethrough;
+an underscore only at a word's edge (inside a word, as in `makespan_s`, CommonMark never reads it as emphasis)."""
+
+
+def md_escape(text: Any) -> str:
+    """`text` as literal Markdown: its punctuation backslash-escaped, <, > and & as HTML entities (a name such as
+    `<script>` or `[x](javascript:...)` from a user's scenario must show as written, never run or link)."""
+    return MD_SPECIAL.sub(r"\\\1", html.escape(str(text), quote=False)).replace("\n", " ")
+
+
+def _md_inline(text: str) -> str:
+    """Markdown for a sentence that may hold **bold** (the only Markdown the answers use), the rest escaped."""
+    return "**".join(md_escape(part) for part in text.split("**"))
+
+
 def _block(kind: str, payload: Any, md: list[str], body: list[str]) -> None:
     """Append one block to both the Markdown and the HTML page."""
     if kind == "lead":
-        md += [f"**{payload}**", ""]
+        md += [f"**{_md_inline(payload)}**", ""]
         body.append(f"<p class='lead'>{_inline(payload)}</p>")
     elif kind == "p":
-        md += [payload, ""]
+        md += [_md_inline(payload), ""]
         body.append(f"<p>{_inline(payload)}</p>")
     elif kind == "note":
-        md += [f"*{payload}*", ""]
+        md += [f"*{md_escape(payload)}*", ""]
         body.append(f"<p class='muted'><em>{html.escape(payload)}</em></p>")
     elif kind == "list":
-        md += [f"- {x}" for x in payload] + [""]
+        md += [f"- {_md_inline(x)}" for x in payload] + [""]
         body.append("<ul>" + "".join(f"<li>{_inline(x)}</li>" for x in payload) + "</ul>")
     elif kind in ("h2", "h3"):
-        md += [f"{'#' * int(kind[1])} {payload}", ""]
+        md += [f"{'#' * int(kind[1])} {md_escape(payload)}", ""]
         body.append(f"<{kind}>{html.escape(payload)}</{kind}>")
     elif kind == "table":
         df = payload
-        md += [df.astype(object).where(pd.notna(df), NA).to_markdown(index=False), ""]
+        cells = df.astype(object).where(pd.notna(df), NA)
+        cells = cells.map(lambda v: md_escape(v) if isinstance(v, str) and v != NA else v)
+        cells.columns = [md_escape(c) for c in cells.columns]
+        md += [cells.to_markdown(index=False), ""]
         body.append(df.to_html(index=False, border=0, classes="t", na_rep=NA,
                                float_format=lambda x: f"{x:.6g}"))
     elif kind == "image":
-        data = base64.b64encode(payload.read_bytes()).decode()
-        md += [f"![{payload.name}]({payload.name})", ""]
+        from pipeplan.common.io import read_input_bytes
+
+        data = base64.b64encode(read_input_bytes(payload, MAX_FILE_BYTES, "report:", follow_links=False)).decode()
+        md += [f"![{md_escape(payload.name)}]({quote(payload.name)})", ""]
         body.append(f'<img alt="{html.escape(payload.name)}" src="data:image/png;base64,{data}">')
     else:
-        md += [str(payload), ""]
+        md += [md_escape(payload), ""]
         body.append(f"<p>{html.escape(str(payload))}</p>")

@@ -205,6 +205,8 @@ def load_rows(path: Path, columns: list[str]) -> pd.DataFrame:
     return pd.read_csv(StringIO(text), keep_default_na=False, na_values=[""]).drop_duplicates("config_id")
 
 
+MAX_SWEEP_CSV_BYTES = 1 * 2**30
+"""sweep.csv of MAX_SWEEP_CONFIGS rows is ~50 MB; a larger file is not one this sweep wrote."""
 REJECTED = "sweep.rejected.csv"
 """Lines of sweep.csv that are not rows this sweep wrote (garbage, a flipped id, NULs, a torn end)."""
 
@@ -218,9 +220,14 @@ def repair_sweep_csv(path: Path, columns: list[str], base: dict[str, Any] | None
     anywhere in its id or its values is caught, and so is a row made under other --set values. A header of
     another grid is an error (another sweep's folder), as before.
     """
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         return 0
-    data = path.read_bytes()
+    from pipeplan.common.io import InputError, read_input_bytes
+
+    try:  # a fifo is refused before it is opened (it would block forever), a symlink before it is followed
+        data = read_input_bytes(path, MAX_SWEEP_CSV_BYTES, "resume:", follow_links=False)
+    except InputError as exc:
+        raise PipeplanError(f"{exc}; use another --out") from None
     *lines, tail = data.split(b"\n")  # tail: b"" when the file ends with a newline, else a torn line
     header = ",".join(columns).encode()
     if not lines:  # nothing complete yet: at most a torn header
@@ -270,7 +277,44 @@ def _row_id(line: bytes, columns: list[str], grid_keys: list[str], base: dict[st
         overrides = {k: _cell_value(fields[1 + i]) for i, k in enumerate(grid_keys)}
     except PipeplanError:
         return None
-    return fields[0] if config_id(overrides, base) == fields[0] else None
+    if config_id(overrides, base) != fields[0] or not metrics_valid(dict(zip(columns, fields, strict=True))):
+        return None
+    return fields[0]
+
+
+INTEGER_METRICS = ("gpus", "global_batch")
+OPTIONAL_INTEGER_METRICS = ("tightest_rank",)
+NUMBER_METRICS = ("tokens_per_s", "tokens_per_s_per_gpu", "step_time_s", "bubble_ratio", "p2p_wait_share",
+                  "step_tail_share", "max_peak_hbm_bytes", "over_capacity_bytes", "mfu", "freeze_speedup",
+                  "sim_wall_s")
+"""How evaluate() fills a row of status ok: counts, an optional rank, finite numbers (or empty where the
+simulator gives none), and fits as True/False; a resumed row is held to the same."""
+
+
+def metrics_valid(cells: dict[str, str]) -> bool:
+    """Whether the metric cells of one sweep.csv row are what evaluate() writes: a resumed row whose cell does
+    not parse (`12x4.5`, `nan`) would otherwise pass into every later ranking and plot."""
+    import math
+
+    if cells["status"] == "invalid":
+        return bool(cells["reason"]) and all(cells[k] == "" for k in METRICS if k not in ("status", "reason"))
+    if cells["fits"] not in ("True", "False"):
+        return False
+    for key in INTEGER_METRICS + OPTIONAL_INTEGER_METRICS:
+        text = cells[key]
+        if text == "" and key in OPTIONAL_INTEGER_METRICS:
+            continue
+        if not (text.isdigit() or (text.endswith(".0") and text[:-2].isdigit())) or len(text) > 20:
+            return False
+    for key in NUMBER_METRICS:
+        if cells[key] == "":
+            continue
+        try:
+            if not math.isfinite(float(cells[key])):
+                return False
+        except ValueError:
+            return False
+    return True
 
 
 def _cell_value(text: str) -> Any:
@@ -351,9 +395,10 @@ def _run_on_cluster(
         from distributed import Client, as_completed
     except ImportError:
         raise PipeplanError("--scheduler: needs Dask distributed; install pipeplan[cluster]") from None
+    probe_scheduler(str(scheduler))
     try:
-        client = Client(scheduler, timeout="10s", set_as_default=False)
-    except (OSError, TimeoutError, ValueError) as exc:
+        client = Client(scheduler, timeout=f"{SCHEDULER_TIMEOUT_S:g}s", set_as_default=False)
+    except Exception as exc:
         raise PipeplanError(f"--scheduler {scheduler}: cannot reach a Dask scheduler there ({exc})") from None
     with client:
         if scenario is not None:  # workers may run elsewhere: give them an absolute path, not a name
@@ -366,6 +411,43 @@ def _run_on_cluster(
                 yield fut.result()
         finally:
             client.cancel(futures)
+
+
+SCHEDULER_SCHEMES = ("tcp", "inproc")
+"""--scheduler schemes a sweep connects with: tls:// needs certificates (a Security object) pipeplan does not take,
+ucx:// a package it does not install; inproc:// is a cluster inside this process (tests)."""
+SCHEDULER_TIMEOUT_S = 5.0
+"""A Dask scheduler that has not answered its identity call by then is taken as unreachable."""
+
+
+def probe_scheduler(address: str, timeout_s: float = SCHEDULER_TIMEOUT_S) -> None:
+    """Ask the scheduler at `address` who it is, within `timeout_s`; PipeplanError if it does not answer. Dask's
+    Client(timeout=...) bounds the TCP connect only: a port that accepts and never speaks holds it forever."""
+    import asyncio
+
+    scheme = address.split("://", 1)[0] if "://" in address else "tcp"
+    if scheme not in SCHEDULER_SCHEMES:
+        raise PipeplanError(f"--scheduler {address[:80]}: scheme {scheme[:20]}:// is not supported; give "
+                            "tcp://HOST:PORT")
+    if scheme == "inproc":  # a cluster in this process: nothing can be silent there
+        return
+    from distributed.core import rpc
+
+    async def identity() -> object:
+        remote = rpc(address, timeout=timeout_s)
+        try:
+            return await remote.identity()
+        finally:
+            await remote.close_rpc()
+
+    try:
+        asyncio.run(asyncio.wait_for(identity(), timeout_s))
+    except TimeoutError:
+        raise PipeplanError(f"--scheduler {address[:80]}: no Dask scheduler answered within {timeout_s:g} s") \
+            from None
+    except Exception as exc:  # refused, unreachable, or something that is not a Dask scheduler answering
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:80]
+        raise PipeplanError(f"--scheduler {address[:80]}: cannot reach a Dask scheduler there ({first})") from None
 
 
 def speed_column(df: pd.DataFrame) -> str:

@@ -3,7 +3,6 @@ console's ranking and summary of invalid combinations."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +10,9 @@ import pandas as pd
 from rich.table import Table
 
 from pipeplan.analysis.console import console
-from pipeplan.analysis.plots import plt, save
+from pipeplan.analysis.plots import plt
 from pipeplan.analysis.sweep import fitting, invalid_reasons, pareto_front, ranked, speed_column, with_speed
+from pipeplan.common.io import atomic_file
 from pipeplan.common.units import GIB
 
 SPEED_LABELS = {"tokens_per_s_per_gpu": "tokens/s per GPU", "tokens_per_s": "tokens/s", "steps_per_s": "steps/s",
@@ -23,9 +23,13 @@ at the right edge as arrows (a configuration needing 610 GiB must not squash the
 
 
 def save_atomic(fig, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    save(fig, tmp)
-    os.replace(tmp, path)
+    """Draw `fig` into a temporary created exclusively beside `path` (a unique name: a link planted there is never
+    followed), then rename it over `path`; a resumed sweep writes into a folder others may have touched."""
+    try:
+        with atomic_file(path) as f:
+            fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
 
 
 def pareto_plot(df: pd.DataFrame, path: Path, title: str = "") -> None:

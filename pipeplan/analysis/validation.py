@@ -222,15 +222,20 @@ def load_published(path: str | Path | None = None) -> list[PublishedFigure]:
     from pipeplan.analysis.sweep import parse_scalar
 
     path = Path(path) if path is not None else PUBLISHED_CSV
-    try:
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
-            if missing:
-                raise PipeplanError(f"{path}: missing columns {', '.join(missing)}; need {', '.join(COLUMNS)}")
-            raw = list(reader)
-    except FileNotFoundError:
-        raise PipeplanError(f"{path}: file not found") from None
+    from io import StringIO
+
+    from pipeplan.common.io import InputError, read_input_bytes
+    from pipeplan.sim.limits import MAX_SCENARIO_BYTES
+
+    try:  # a fifo is refused before it is opened (it would wait for a writer forever), a huge file before reading
+        text = read_input_bytes(path, MAX_SCENARIO_BYTES, "--published").decode()
+        reader = csv.DictReader(StringIO(text, newline=""))
+        missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise PipeplanError(f"{path}: missing columns {', '.join(missing)}; need {', '.join(COLUMNS)}")
+        raw = list(reader)
+    except InputError as exc:
+        raise PipeplanError(str(exc)) from None
     except (UnicodeDecodeError, csv.Error) as exc:
         raise PipeplanError(f"{path}: not a readable CSV ({exc})") from None
     figures: list[PublishedFigure] = []

@@ -17,6 +17,7 @@ This module imports nothing from the project, so sim/, lcp/ and analysis/ can al
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -27,7 +28,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 MANIFEST = "pipeplan.json"
 """Written into every output folder: which command, scenario and pipeplan version wrote it."""
@@ -48,6 +49,10 @@ class OutputPathError(OutputError):
 
 class OutputValueError(OutputError):
     """Content that has no valid encoding, e.g. a non-finite number in strict JSON."""
+
+
+class InputError(Exception):
+    """An input file that is missing, not a regular file (a fifo would block its reader forever), or too large."""
 
 
 def check_output_file(path: str | Path, flag: str = "--out") -> Path:
@@ -99,6 +104,10 @@ def _existing_kind(p: Path) -> str | None:
         return None
     except NotADirectoryError:
         return "path under a file"
+    return _kind_of(mode)
+
+
+def _kind_of(mode: int) -> str:
     if stat.S_ISLNK(mode):
         return "symlink"
     if stat.S_ISREG(mode):
@@ -116,15 +125,81 @@ def short_path(p: str | Path, limit: int = 80) -> str:
     return text if len(text) <= limit else "..." + text[3 - limit :]  # keep the name, cut the folders
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same folder and an atomic rename."""
+def read_input_bytes(path: str | Path, max_bytes: int, what: str, follow_links: bool = True) -> bytes:
+    """The bytes of the regular file `path`, at most `max_bytes` of them; InputError naming `what` and the file
+    otherwise. A fifo, device or folder is refused before it is opened (opening a fifo waits for a writer, forever),
+    and the file is opened non-blocking and checked again, so one swapped in after the check cannot block either.
+    With `follow_links=False` a symlink is refused too (a report must not read files outside its folder)."""
+    if not str(path).strip():
+        raise InputError(f"{what}: empty path; give a file")
+    p = Path(path)
+    shown = f"{what} {short_path(p)}"
+    try:
+        info = os.stat(p, follow_symlinks=follow_links)
+        _check_regular(info, shown, max_bytes)
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW))
+    except FileNotFoundError:
+        raise InputError(f"{shown}: file not found") from None
+    except ValueError:  # a NUL byte in the path
+        raise InputError(f"{what}: the path holds a NUL byte; give a file name") from None
+    except OSError as exc:
+        reason = "is a symlink; give the file itself" if exc.errno == errno.ELOOP else f"cannot read ({exc.strerror})"
+        raise InputError(f"{shown}: {reason}") from None
+    with os.fdopen(fd, "rb") as f:
+        _check_regular(os.fstat(f.fileno()), shown, max_bytes)
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as exc:
+            raise InputError(f"{shown}: cannot read ({exc.strerror})") from None
+    if len(data) > max_bytes:
+        raise InputError(f"{shown}: larger than the limit of {max_bytes:,} bytes")
+    return data
+
+
+def _check_regular(info: os.stat_result, shown: str, max_bytes: int) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise InputError(f"{shown}: is a {_kind_of(info.st_mode)}, not a regular file; give a file")
+    if info.st_size > max_bytes:
+        raise InputError(f"{shown}: {info.st_size:,} bytes, larger than the limit of {max_bytes:,}")
+
+
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+"""How a spreadsheet formula may begin: a CSV cell we write from a user's string never does (OWASP, "CSV
+Injection": prefix such a cell with a single quote so it is shown as text)."""
+
+
+def formula_safe(value: Any) -> Any:
+    """`value`, with a leading single quote if it is a string a spreadsheet would run as a formula; numbers
+    written as text ("-1.5") are left alone."""
+    if not isinstance(value, str) or not value.startswith(FORMULA_STARTS):
+        return value
+    try:
+        float(value)
+        return value
+    except ValueError:
+        return "'" + value
+
+
+def csv_text(df: Any) -> str:
+    """A pandas DataFrame as CSV text (no index), with formula_safe applied to every text cell and header."""
+    safe = df.rename(columns=formula_safe)
+    for col in safe.select_dtypes(include=["object", "string"]).columns:
+        safe[col] = safe[col].map(formula_safe)
+    return str(safe.to_csv(index=False))
+
+
+@contextmanager
+def atomic_file(path: str | Path) -> Iterator[IO[bytes]]:
+    """A binary file to write `path`'s new content into: a temporary created exclusively (mkstemp: a unique name,
+    O_EXCL, so never a planted link followed) in the same folder, renamed over `path` when the block ends without
+    error, deleted otherwise. Matplotlib's savefig and torch.save write to it as to any file object."""
     path = check_output_file(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual permissions
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         check_output_file(path)  # what appeared at path while we wrote is not ours to replace either
@@ -132,6 +207,12 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file in the same folder and an atomic rename."""
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def append_fsynced(path: str | Path, data: bytes, first: bytes = b"") -> None:

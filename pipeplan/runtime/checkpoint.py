@@ -30,7 +30,6 @@ checkpoint other nodes cannot read. `check_resumable` checks, on every node, tha
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -38,8 +37,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeplan.common.io import short_path
+from pipeplan.common.io import InputError, atomic_file, atomic_write_text, read_input_bytes, short_path
 from pipeplan.sim.errors import PipeplanError
+
+MAX_MARKER_BYTES = 64
+"""`latest` holds one step number and a newline."""
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -50,26 +52,24 @@ def save(root: str | Path, step: int, rank: int, state: dict) -> None:
     folder = step_dir(root, step)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"rank-{rank}.pt"
-    tmp = path.with_suffix(".pt.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    with atomic_file(path) as f:  # a unique temporary, created exclusively: never a planted link followed
+        torch.save(state, f)
     dist.barrier()
     if rank == 0:
-        latest = Path(root) / "latest"
-        tmp_latest = latest.with_suffix(".tmp")
-        tmp_latest.write_text(f"{step}\n")
-        os.replace(tmp_latest, latest)
+        atomic_write_text(Path(root) / "latest", f"{step}\n")
     dist.barrier()
 
 
 def latest_step(root: str | Path) -> int:
     """The step the `latest` marker names; PipeplanError if there is none or it holds no step number."""
     marker = Path(root) / "latest"
-    try:
-        return int(marker.read_text(errors="replace").strip())
-    except FileNotFoundError:
-        raise PipeplanError(f"--resume: no complete checkpoint in {short_path(root)} (no 'latest' file)") from None
-    except (OSError, ValueError):
+    if not marker.exists() and not marker.is_symlink():
+        raise PipeplanError(f"--resume: no complete checkpoint in {short_path(root)} (no 'latest' file)")
+    try:  # a fifo is refused before it is opened: it would wait for a writer forever
+        return int(read_input_bytes(marker, MAX_MARKER_BYTES, "--resume").decode(errors="replace").strip())
+    except InputError as exc:
+        raise PipeplanError(str(exc)) from None
+    except ValueError:
         raise PipeplanError(f"--resume: {short_path(marker)} does not hold a step number; the checkpoint is broken") \
             from None
 
@@ -89,10 +89,34 @@ def load(root: str | Path, rank: int, device: torch.device | str) -> dict:
     """Rank's latest state: the chunks on `device`, the optimizer's state and "host" tensors on the CPU (module
     docstring: the optimizer's load_state_dict places its state)."""
     step = check_resumable(root, [rank])
+    path = step_dir(root, step) / f"rank-{rank}.pt"
+    if not path.is_file():  # a fifo or device would block torch.load, or be read forever
+        raise PipeplanError(f"--resume: {short_path(path)} is not a regular file; the checkpoint is broken")
     # map everything to the CPU first (the saving device may not exist here), then the chunks over
-    state = torch.load(step_dir(root, step) / f"rank-{rank}.pt", map_location="cpu", weights_only=True)
+    state = torch.load(path, map_location="cpu", weights_only=True)
     state["device"]["chunks"] = tree_to(state["device"]["chunks"], torch.device(device))
     return state
+
+
+STATE_KEYS = {"step": int, "device": {"chunks": dict, "optimizer": dict},
+              "host": {"rng": torch.Tensor, "freezer": dict, "history": list}}
+"""What runtime/train.py's Trainer.state_dict saves and load_state_dict reads: key -> type, or nested keys."""
+
+
+def missing_keys(state: Any, keys: dict = STATE_KEYS, prefix: str = "") -> list[str]:
+    """The dotted keys of STATE_KEYS that `state` lacks or holds with another type (a file that loads but was
+    not written by pipeplan run)."""
+    if not isinstance(state, dict):
+        return [prefix.rstrip(".") or "a dict of state"]
+    out: list[str] = []
+    for key, want in keys.items():
+        if key not in state:
+            out.append(prefix + key)
+        elif isinstance(want, dict):
+            out += missing_keys(state[key], want, f"{prefix}{key}.")
+        elif not isinstance(state[key], want) or isinstance(state[key], bool):
+            out.append(f"{prefix}{key} ({want.__name__})")
+    return out
 
 
 def tree_to(tree: Any, device: torch.device) -> Any:

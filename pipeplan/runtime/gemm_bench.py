@@ -50,6 +50,11 @@ class GemmProfile:
     peak_source: str
 
 
+MIN_GEMM_DIM = 128
+"""The smallest --max-dim whose sweep gives the fit more than one GEMM: squares 64 and 128 (at 64 the sweep is
+one square, and the fit of a curve to one point fails)."""
+
+
 def grid(sc: Scenario, max_dim: int) -> tuple[list[Shape], list[bool]]:
     """The scenario's GEMMs (dims rounded; those of more FLOPs than the max_dim cube dropped), then the sweep's."""
     own = list(dict.fromkeys((round(m), round(n), round(k)) for m, n, k in gemm_shapes(sc)))
@@ -94,8 +99,9 @@ def profile_gemms(sc: Scenario, device: torch.device, dtype: str, max_dim: int, 
     (bf16 on CUDA), else the best measured throughput (the fitted efficiency is then relative to it)."""
     if dtype not in DTYPES:
         raise PipeplanError(f"--dtype: unknown {dtype!r}; allowed: {', '.join(DTYPES)}")
-    if max_dim < 64:
-        raise PipeplanError(f"--max-dim: must be >= 64 (got {max_dim})")
+    if max_dim < MIN_GEMM_DIM:
+        raise PipeplanError(f"--max-dim: must be >= {MIN_GEMM_DIM} (got {max_dim}); the fit needs GEMMs of several "
+                            "sizes")
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         name, preset, sms = props.name, recognise_preset(props.name), props.multi_processor_count

@@ -6,6 +6,11 @@
     multi-node     --nnodes N --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID
                    (or, with --node-rank R: --rdzv-backend static, so node 0 holds global rank 0)
 
+The agent runs in a session of its own (so a Ctrl-C in the terminal reaches only the launcher) through
+runtime/lifeline.py, bound to the launcher by a parent-death signal, and each worker is bound to the agent the
+same way: when the launcher stops, for any reason (Ctrl-C, SIGTERM, SIGKILL, an error), it kills the agent and
+the kernel kills the workers; no rank outlives the command.
+
 torchrun runs with --max-restarts 0: when any worker fails, the agent stops the others on its node and
 exits non-zero with the failing rank's error (recorded by @record in runtime/worker.py); workers on other
 nodes see their peer's connection drop, or time out after `timeout_s`, and fail too.
@@ -23,7 +28,9 @@ is done and its files are closed, so nothing is lost by skipping the teardown.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +45,7 @@ from typing import Any
 import torch
 
 from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.lifeline import PARENT_ENV
 
 POLL_S = 0.5
 
@@ -69,7 +77,7 @@ class Rendezvous:
 
 
 def torchrun_command(config_path: str | Path, rdzv: Rendezvous) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *rdzv.torchrun_args(), "-m", "pipeplan.runtime.worker",
+    return [sys.executable, "-m", "pipeplan.runtime.lifeline", *rdzv.torchrun_args(), "-m", "pipeplan.runtime.worker",
             str(config_path)]
 
 
@@ -83,19 +91,31 @@ def launch(cfg: RunConfig, rdzv: Rendezvous, wall_timeout_s: float | None = None
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(cfg.threads))
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+        env[PARENT_ENV] = str(os.getpid())
         deadline = None if wall_timeout_s is None else time.monotonic() + wall_timeout_s
-        with subprocess.Popen(torchrun_command(path, rdzv), env=env) as proc:
-            while True:
-                try:
-                    return proc.wait(timeout=POLL_S)
-                except subprocess.TimeoutExpired:
-                    if deadline is not None and time.monotonic() > deadline:
-                        proc.kill()
-                        proc.wait()
-                        print(f"pipeplan: the job ran past {wall_timeout_s} s and was stopped", file=sys.stderr)
-                        return 124
-                    if poll is not None:
-                        poll()
+        with subprocess.Popen(torchrun_command(path, rdzv), env=env, start_new_session=True) as proc:
+            try:
+                while True:
+                    try:
+                        return proc.wait(timeout=POLL_S)
+                    except subprocess.TimeoutExpired:
+                        if deadline is not None and time.monotonic() > deadline:
+                            stop(proc)
+                            print(f"pipeplan: the job ran past {wall_timeout_s} s and was stopped", file=sys.stderr)
+                            return 124
+                        if poll is not None:
+                            poll()
+            except BaseException:  # Ctrl-C, SIGTERM (cli.py raises Terminated), an error in `poll`
+                stop(proc)
+                raise
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Kill the agent and its process group; the workers die with it (their parent-death signal, lifeline.py).
+    SIGKILL, not SIGTERM: a terminated agent prints a traceback per rank, and a stop has nothing to save."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def exit_without_teardown(code: int) -> None:

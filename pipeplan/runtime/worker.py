@@ -161,6 +161,11 @@ def run_job(cfg: RunConfig, rank: int, world: int, device: torch.device) -> None
 
 @record
 def main(argv: list[str] | None = None) -> int:
+    from pipeplan.runtime.lifeline import PARENT_ENV, die_with_parent
+
+    parent = os.environ.get(PARENT_ENV)
+    if parent:  # started by pipeplan run's agent (not by hand): die with it, so no rank outlives the command
+        die_with_parent(expected_parent=int(parent))
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m runtime.worker RUN_CONFIG.json (started by torchrun)", file=sys.stderr)

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pipeplan.common.io import InputError, read_input_bytes
 from pipeplan.sim.devices import device_presets
 from pipeplan.sim.errors import ScenarioError
 from pipeplan.sim.field_errors import describe_validation_error
-from pipeplan.sim.limits import check_scenario_limits
+from pipeplan.sim.limits import MAX_NAME_CHARS, MAX_SCENARIO_BYTES, check_scenario_limits
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
@@ -122,7 +123,7 @@ class ModelConfig(_Section):
     `config` names a local Hugging Face config.json whose shape fills the keys not given here (sim/hf_config.py).
     """
 
-    name: str = "llama"
+    name: Annotated[str, Field(max_length=MAX_NAME_CHARS)] = "llama"
     architecture: Literal["llama", "gpt"] = "llama"
     config: str | None = None
     """Path of a Hugging Face config.json (relative to the scenario file); explicit keys win over it."""
@@ -592,13 +593,11 @@ def load_scenario(path: str | Path | None = None, overrides: dict[str, Any] | No
     """Read and validate a scenario TOML (None: the built-in default; a shipped scenario's name, e.g.
     "tiny-cpu", also works); `overrides` maps dotted keys to values."""
     path = resolve_scenario_path(path)
-    try:
-        with path.open("rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise ScenarioError(f"scenario {path}: file not found") from None
-    except IsADirectoryError:
-        raise ScenarioError(f"scenario {path}: is a folder; give a .toml file") from None
+    try:  # a regular file of bounded size: a fifo is refused before it is opened, 2 GiB before it is read
+        raw = tomllib.loads(read_input_bytes(path, MAX_SCENARIO_BYTES, "scenario").decode().removeprefix("\ufeff"))
+    except InputError as exc:
+        raise ScenarioError(str(exc).replace("is a folder, not a regular file; give a file", "is a folder; give a "
+                                             ".toml file")) from None
     except tomllib.TOMLDecodeError as exc:
         raise ScenarioError(f"scenario {path}: not valid TOML ({exc})") from None
     except UnicodeDecodeError:

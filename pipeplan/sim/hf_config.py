@@ -54,11 +54,21 @@ def merge_hf_config(raw: dict[str, Any], base_dir: Path | None, source: str) -> 
     path = Path(model["config"])
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ScenarioError(f"{source}: model.config: file {path} not found; give a Hugging Face config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    from pipeplan.common.io import InputError, read_input_bytes
+    from pipeplan.sim.limits import MAX_SCENARIO_BYTES
+
+    try:  # a fifo is refused before it is opened, a huge file before it is read
+        cfg = json.loads(read_input_bytes(path, MAX_SCENARIO_BYTES, f"{source}: model.config"))
+    except InputError as exc:
+        raise ScenarioError(str(exc)) from None
+    except ValueError as exc:  # e.g. a 5,000-digit number: int() refuses more than 4,300 digits
+        if not isinstance(exc, json.JSONDecodeError | UnicodeDecodeError):
+            raise ScenarioError(f"{source}: model.config: {path}: a number in it is too long ({str(exc)[:60]})") \
+                from None
+        raise ScenarioError(f"{source}: model.config: {path} is not a readable JSON file ({exc})") from None
+    except RecursionError:
+        raise ScenarioError(f"{source}: model.config: {path} is nested too deeply") from None
+    except OSError as exc:
         raise ScenarioError(f"{source}: model.config: {path} is not a readable JSON file ({exc})") from None
     if not isinstance(cfg, dict):
         raise ScenarioError(f"{source}: model.config: {path} must hold a JSON object (a config.json)")

@@ -50,6 +50,10 @@ MAX_SECONDS = 1e6
 MAX_BYTES = float(2**60)
 MAX_HBM_GIB = float(2**30)  # = MAX_BYTES
 MAX_SCHEDULE_CSV_BYTES = 16 * 2**20
+MAX_SCENARIO_BYTES = 16 * 2**20
+"""A scenario TOML (or a model.config JSON) larger than this is refused before it is read: shipped ones are ~2 KB."""
+MAX_NAME_CHARS = 200
+"""model.name: it is printed in titles and tables (a 100,000-character name cost `plan` 59 s and 5.9 GB)."""
 MAX_ID_DIGITS = 9
 MAX_SWEEP_CONFIGS = 100_000
 MAX_JOBS = 1024

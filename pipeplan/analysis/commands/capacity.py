@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from pipeplan.analysis.capacity_plots import capacity_plot, frontier_plot, print_capacity, print_frontier
     from pipeplan.analysis.console import transient_bar
     from pipeplan.analysis.outputs import output_folder, scenario_title
-    from pipeplan.common.io import atomic_write_text
+    from pipeplan.common.io import atomic_write_text, csv_text
     from pipeplan.sim.errors import ScenarioError
     from pipeplan.sim.limits import MAX_JOBS
 
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     written = ["capacity.csv", "capacity.png", JOURNAL]
     with output_folder(args) as stage:
         journal.write_to(stage)
-        atomic_write_text(stage / "capacity.csv", df.to_csv(index=False))
+        atomic_write_text(stage / "capacity.csv", csv_text(df))
         capacity_plot(df, stage / "capacity.png",
                       scenario_title(base, args.scenario))
         if frontier is not None:
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
             atomic_write_text(stage / "frontier.csv", fdf.to_csv(index=False))
             adf = pd.DataFrame(answer_rows(answers, args.min_throughput, ref["max_layers"]), columns=ANSWER_COLUMNS)
             adf = adf.astype({"layers": "Int64", "micro_batch_size": "Int64"})  # whole numbers, empty where none
-            atomic_write_text(stage / "frontier_answers.csv", adf.to_csv(index=False))
+            atomic_write_text(stage / "frontier_answers.csv", csv_text(adf))
             frontier_plot(fdf, answers, args.min_throughput, stage / "frontier.png")
             written += ["frontier.csv", "frontier_answers.csv", "frontier.png"]
     print_capacity(df)

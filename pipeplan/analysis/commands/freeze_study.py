@@ -103,6 +103,11 @@ def run(args: argparse.Namespace) -> int:
     sc, sched = load_run_scenario(base)
     tokens_per_step = sc.training.micro_batch_size * sc.model.seq_len * sched.num_microbatches
     steps = math.ceil(args.tokens / tokens_per_step)
+    from pipeplan.analysis.commands.run import MAX_STEPS
+
+    if steps > MAX_STEPS:
+        raise PipeplanError(f"--tokens {args.tokens}: {steps:,} steps of {tokens_per_step} tokens, above the limit "
+                            f"of {MAX_STEPS:,} steps per run")
     first_steady = args.freeze_warmup + args.freeze_monitor + args.freeze_ramp
     if steps <= first_steady + 1:
         raise PipeplanError(f"--tokens {args.tokens}: {steps} steps of {tokens_per_step} tokens leave no steady "

@@ -17,6 +17,11 @@ from pipeplan.analysis.commands.run import JobFailed, add_launch_arguments, laun
 from pipeplan.analysis.outputs import add_force_argument
 from pipeplan.runtime.config import RunConfig
 
+MAX_GEMM_DIM = 65536
+"""--max-dim: a 65,536-cube GEMM is 5.6e14 FLOPs, minutes even on an H100; 1e9 would never end."""
+MAX_REPEATS = 1000
+"""--repeats: timed samples per GEMM; the median of 7 is already stable to a few per cent."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_launch_arguments(parser)
@@ -92,6 +97,9 @@ def run_gemm(args: argparse.Namespace) -> int:
                         ("--repeats", args.repeats), ("--threads", args.threads)):
         if value is not None and value <= 0:
             raise PipeplanError(f"{flag}: must be > 0 (got {value})")
+    for flag, value, limit in (("--max-dim", args.max_dim, MAX_GEMM_DIM), ("--repeats", args.repeats, MAX_REPEATS)):
+        if value is not None and value > limit:
+            raise PipeplanError(f"{flag}: {value} is above the limit {limit:,}")
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
     if device == "cuda" and not torch.cuda.is_available():

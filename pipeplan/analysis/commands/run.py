@@ -130,6 +130,7 @@ def launch_job(cfg: RunConfig, args: argparse.Namespace, out: str, poll: Callabl
     from pipeplan.runtime.train import load_run_scenario
 
     check_run_flags(cfg)
+    check_launch_flags(args)
     scenario, schedule = load_run_scenario(cfg)
     if scenario.memory.plan and cfg.memory_choice is None:  # solve the memory MILP once, here; ranks reuse it
         from pipeplan.sim.costs import build_cost_table
@@ -138,9 +139,10 @@ def launch_job(cfg: RunConfig, args: argparse.Namespace, out: str, poll: Callabl
         costs = build_cost_table(scenario).with_microbatches(schedule.num_microbatches)
         cfg.memory_choice = resolve_memory_plan(scenario, costs, schedule).choice.to_dict()
     run_memory(scenario, schedule, cfg.choice())  # a memory plan the runtime can execute
+    check_costs(cfg.costs)
     predict(cfg, scenario, schedule)  # --costs must describe this pipeline
     if cfg.data not in (None, *NAMED_SOURCES):
-        check_data_file(cfg.data)
+        check_data_file(cfg.data, scenario.model.seq_len if scenario.model else 0)
     rdzv = rendezvous(args, schedule.num_ranks)
     check_host_memory(scenario, cfg, rdzv.nproc_per_node / schedule.num_ranks)
     if cfg.resume:  # every rank's file, read here: a broken checkpoint is one line, not p tracebacks
@@ -194,19 +196,70 @@ def render_run(out: Path) -> None:
 
 MAX_THREADS = 1024
 """torch threads per rank: above any machine's core count."""
+MAX_STEPS = 1_000_000
+"""--steps: a million optimizer steps is weeks of a real job; 2**63 is a typo that would run forever."""
+TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)
+"""--timeout-s: below a second a healthy collective times out; above a week timedelta and the stores overflow
+or a lost peer is never noticed."""
+MAX_DATA_BYTES = 256 * 2**20
+"""--data: every rank holds the file as int64 tokens (8 bytes per byte), so 256 MiB is 2 GiB per rank."""
 
 
 def check_run_flags(cfg: RunConfig) -> None:
-    """Flags RunConfig's own checks let through: NaN and infinities, seeds numpy refuses, absurd threads."""
+    """Flags RunConfig's own checks let through: NaN and infinities, seeds numpy refuses, absurd threads, steps
+    and timeouts, a checkpoint folder that cannot be one, a CUDA device that is not there."""
     import math
 
     for flag, value in (("--timeout-s", cfg.timeout_s), ("--lr", cfg.lr)):
         if not math.isfinite(value) or value < 0:
             raise PipeplanError(f"{flag}: {value} is not a finite number >= 0")
+    lo, hi = TIMEOUT_RANGE_S
+    if not lo <= cfg.timeout_s <= hi:
+        raise PipeplanError(f"--timeout-s: {cfg.timeout_s:g} is outside {lo:g}..{hi:g} seconds")
     if not 0 <= cfg.seed < 2**32:
         raise PipeplanError(f"--seed: {cfg.seed} is outside 0..2**32-1")
     if cfg.threads > MAX_THREADS:
         raise PipeplanError(f"--threads: {cfg.threads} is above the limit {MAX_THREADS}")
+    if cfg.steps > MAX_STEPS:
+        raise PipeplanError(f"--steps: {cfg.steps} is above the limit {MAX_STEPS:,}")
+    if cfg.checkpoint_every > MAX_STEPS:
+        raise PipeplanError(f"--checkpoint-every: {cfg.checkpoint_every} is above the limit {MAX_STEPS:,}")
+    if cfg.checkpoint_dir is not None:
+        from pipeplan.common.io import check_output_folder
+
+        check_output_folder(cfg.checkpoint_dir, "--checkpoint-dir")
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise PipeplanError("--device cuda: CUDA is not available here; use --device cpu (or auto)")
+
+
+def check_launch_flags(args: argparse.Namespace) -> None:
+    """The rendezvous flags: a node rank inside --nnodes (node 5 of 2 would wait for peers forever), counts >= 1,
+    and an endpoint of the form HOST:PORT."""
+    if args.nnodes < 1 or (args.nproc_per_node is not None and args.nproc_per_node < 1):
+        raise PipeplanError("--nnodes and --nproc-per-node: must be >= 1")
+    if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
+        raise PipeplanError(f"--node-rank: {args.node_rank} is outside 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
+    if args.rdzv_endpoint is not None:
+        host, sep, port = args.rdzv_endpoint.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")  # an IPv6 address in brackets
+        valid_host = bool(host) and all(c.isalnum() or c in ".-_:" for c in host)
+        if not sep or not valid_host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise PipeplanError(f"--rdzv-endpoint {short_path(args.rdzv_endpoint, 60)}: give HOST:PORT with a port "
+                                "in 1..65535 (node 0's address)")
+
+
+def check_costs(costs: str | None) -> None:
+    """--costs: an explicit-costs scenario (what `pipeplan profile` writes), not a model scenario."""
+    if costs is None:
+        return
+    from pipeplan.sim.config import load_scenario
+
+    if load_scenario(costs).costs is None:
+        raise PipeplanError(f"--costs {short_path(costs, 60)}: a [model] scenario; give an explicit-costs scenario "
+                            "(the scenario.toml pipeplan profile writes)")
 
 
 def host_memory_available() -> float | None:
@@ -243,18 +296,24 @@ def check_host_memory(scenario: Scenario, cfg: RunConfig, local_share: float) ->
             f"gradients, optimizer state), {free / GIB:.1f} GiB is free; run tiny-cpu here, or --device cuda")
 
 
-def check_data_file(path: str) -> None:
-    """--data: a readable regular file (a device or fifo would be read forever, or block)."""
+def check_data_file(path: str, seq_len: int) -> None:
+    """--data: a readable regular file (a device or fifo would be read forever, or block) of at least one
+    sequence (seq_len + 2 bytes) and at most MAX_DATA_BYTES."""
     import stat
 
     try:
-        mode = Path(path).stat().st_mode
-    except OSError:
+        info = Path(path).stat()
+    except (OSError, ValueError):
         raise PipeplanError(f"--data {path[:80]}: file not found; give a text file, 'pydoc' or 'synthetic'") from None
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(info.st_mode):
         raise PipeplanError(f"--data {path[:80]}: not a regular file; give a text file, 'pydoc' or 'synthetic'")
     if not os.access(path, os.R_OK):
         raise PipeplanError(f"--data {path[:80]}: not readable")
+    if info.st_size < seq_len + 2:
+        raise PipeplanError(f"--data {path[:80]}: {info.st_size} bytes, need at least seq_len + 2 = {seq_len + 2}")
+    if info.st_size > MAX_DATA_BYTES:
+        raise PipeplanError(f"--data {path[:80]}: {info.st_size:,} bytes, above the limit of {MAX_DATA_BYTES:,} "
+                            "(each rank holds 8 bytes per byte of it)")
 
 
 def check_checkpoint(root: str, ranks: range | tuple[()]) -> None:
@@ -267,13 +326,18 @@ def check_checkpoint(root: str, ranks: range | tuple[()]) -> None:
     step = checkpoint.check_resumable(root, ranks)  # the marker names a step; this node's rank files are there
     for rank in ranks:
         try:
-            checkpoint.load(root, rank, torch.device("cpu"))
+            state = checkpoint.load(root, rank, torch.device("cpu"))
+            missing = checkpoint.missing_keys(state)
         except PipeplanError:
             raise
         except Exception as exc:  # truncated zip, bad pickle, refused global: all one line
             path = checkpoint.step_dir(root, step) / f"rank-{rank}.pt"
             raise PipeplanError(f"--resume: {short_path(path, 60)} cannot be loaded ({type(exc).__name__}); "
                                 "the checkpoint is broken or was not written by pipeplan run") from None
+        if missing:
+            path = checkpoint.step_dir(root, step) / f"rank-{rank}.pt"
+            raise PipeplanError(f"--resume: {short_path(path, 60)} lacks {', '.join(missing)}; it was not written by "
+                                "pipeplan run")
 
 
 def run(args: argparse.Namespace) -> int:

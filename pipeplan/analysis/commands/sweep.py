@@ -110,3 +110,6 @@ def check_scheduler_address(address: str) -> None:
     except ValueError as exc:
         raise PipeplanError(f"--scheduler {address}: not a Dask scheduler address ({exc}); "
                             "give SCHEME://HOST:PORT, e.g. tcp://10.0.0.1:8786") from None
+    from pipeplan.analysis.sweep import probe_scheduler
+
+    probe_scheduler(address)  # a scheduler that does not answer is refused before the folder is claimed too

@@ -35,8 +35,12 @@ def run(args: argparse.Namespace) -> int:
         validation_table,
     )
     from pipeplan.analysis.validation_plots import parity_plot, print_summary
-    from pipeplan.common.io import atomic_write_text
+    from pipeplan.common.io import atomic_write_text, csv_text
 
+    if args.published is not None and not args.published.strip():  # '' is a mistake, not "the default set"
+        from pipeplan.sim.errors import PipeplanError
+
+        raise PipeplanError("--published: empty path; give a CSV file, or leave the flag out for the shipped set")
     path = Path(args.published) if args.published else PUBLISHED_CSV
     figures = load_published(path)  # bad input is one line, before any progress bar
     with transient_bar() as bar:
@@ -48,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         predictions = predict_all(figures, folder=path.parent, progress=step)
     table = pd.DataFrame(validation_table(predictions), columns=list(OUTPUT_COLUMNS))
     with output_folder(args) as stage:
-        atomic_write_text(stage / "validation.csv", table.to_csv(index=False))
+        atomic_write_text(stage / "validation.csv", csv_text(table))
         parity_plot(predictions, stage / "parity.png")
     print_summary(summarize(predictions), predictions)
     print(f"wrote {args.out}/: validation.csv parity.png")
