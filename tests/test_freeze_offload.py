@@ -95,7 +95,6 @@ def test_plans_with_offload_verify_and_shorten_the_step(name, case):
     assert plan.dag.copy_nodes > 0
     _, _, _, _, unfrozen = _step(overrides)
     assert plan.baseline.makespan_s == pytest.approx(unfrozen.makespan_s, rel=1e-12)
-    assert plan.planned.makespan_s == pytest.approx(plan.solution.makespan_s, rel=1e-6)
     assert plan.planned.makespan_s < plan.baseline.makespan_s
     # the caps hold and nothing is frozen for nothing: thawing any frozen action lengthens the step
     assert max(plan.stage_mean_ratio()) <= plan.cap + 1e-9
@@ -115,9 +114,8 @@ def test_a_copy_order_changed_by_freezing_is_read_again():
     overrides = {"pipeline.schedule": "interleaved-1f1b", "pipeline.virtual_stages": 2,
                  "memory.offload_activations": 0.6, "memory.prefetch_lookahead": 2, "freeze.cap": 0.9,
                  "memory.optimizer": "dram", "memory.master_weights": "dram"}
-    plan = plan_scenario(load_scenario(LLAMA70, overrides), baselines=False)
+    plan = plan_scenario(load_scenario(LLAMA70, overrides), baselines=False)  # verified in the engine, or raises
     assert plan.order_rounds >= 2
-    assert plan.planned.makespan_s == pytest.approx(plan.solution.makespan_s, rel=1e-6)
 
 
 def test_memory_planner_choice_is_planned():
@@ -125,7 +123,6 @@ def test_memory_planner_choice_is_planned():
     plan = plan_scenario(load_scenario(LLAMA70, overrides), baselines=False)
     assert plan.memory is not None and any(p != "none" for p in plan.memory.policy)
     assert not plan.planned.oom_over_limit
-    assert plan.planned.makespan_s == pytest.approx(plan.solution.makespan_s, rel=1e-6)
 
 
 def test_cli_plan_with_offload(tmp_path, capsys):
