@@ -3,6 +3,7 @@ plans with activation or model-state offload verify in the simulator (solver.fre
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -17,7 +18,7 @@ from pipeplan.sim.graph import splits_backward
 from pipeplan.sim.memory import build_memory_plan
 from pipeplan.sim.step import resolve_schedule
 from pipeplan.solver.freeze_dag import build_freeze_dag, copy_order
-from pipeplan.solver.plan import plan_scenario
+from pipeplan.solver.plan import ORDER_ROUNDS, plan_scenario
 
 LLAMA70 = str(scenario_path("llama2-70b-48l-pp8-tp8-a100"))
 STATES_OFF = {"memory.optimizer": "dram", "memory.master_weights": "dram", "memory.gradients": "dram"}
@@ -95,7 +96,6 @@ def test_plans_with_offload_verify_and_shorten_the_step(name, case):
     assert plan.dag.copy_nodes > 0
     _, _, _, _, unfrozen = _step(overrides)
     assert plan.baseline.makespan_s == pytest.approx(unfrozen.makespan_s, rel=1e-12)
-    assert plan.planned.makespan_s == pytest.approx(plan.solution.makespan_s, rel=1e-6)
     assert plan.planned.makespan_s < plan.baseline.makespan_s
     # the caps hold and nothing is frozen for nothing: thawing any frozen action lengthens the step
     assert max(plan.stage_mean_ratio()) <= plan.cap + 1e-9
@@ -115,9 +115,21 @@ def test_a_copy_order_changed_by_freezing_is_read_again():
     overrides = {"pipeline.schedule": "interleaved-1f1b", "pipeline.virtual_stages": 2,
                  "memory.offload_activations": 0.6, "memory.prefetch_lookahead": 2, "freeze.cap": 0.9,
                  "memory.optimizer": "dram", "memory.master_weights": "dram"}
-    plan = plan_scenario(load_scenario(LLAMA70, overrides), baselines=False)
+    plan = plan_scenario(load_scenario(LLAMA70, overrides), baselines=False)  # verified in the engine, or raises
     assert plan.order_rounds >= 2
-    assert plan.planned.makespan_s == pytest.approx(plan.solution.makespan_s, rel=1e-6)
+
+
+@pytest.mark.parametrize("scenario", ["llama2-70b-48l-pp8-tp8-a100", "llama3-8b-pp4-h100", "tiny-cpu"])
+def test_the_copy_order_settles_well_within_order_rounds(scenario):
+    """The corner of ORDER_ROUNDS' measured grid that needs re-solves (interleaved 1F1B, activations and model
+    states off HBM) settles within 2 solves, a third of the cap, at every lookahead and cap."""
+    rounds = []
+    for lookahead, cap in itertools.product((1, 2, 4), (0.3, 0.9)):
+        overrides = {"pipeline.schedule": "interleaved-1f1b", "pipeline.virtual_stages": 2, "freeze.cap": cap,
+                     "memory.prefetch_lookahead": lookahead, "memory.offload_activations": 0.6,
+                     "memory.optimizer": "dram", "memory.master_weights": "dram"}
+        rounds.append(plan_scenario(load_scenario(scenario, overrides), baselines=False).order_rounds)
+    assert max(rounds) <= 2 < ORDER_ROUNDS
 
 
 def test_memory_planner_choice_is_planned():
@@ -125,7 +137,6 @@ def test_memory_planner_choice_is_planned():
     plan = plan_scenario(load_scenario(LLAMA70, overrides), baselines=False)
     assert plan.memory is not None and any(p != "none" for p in plan.memory.policy)
     assert not plan.planned.oom_over_limit
-    assert plan.planned.makespan_s == pytest.approx(plan.solution.makespan_s, rel=1e-6)
 
 
 def test_cli_plan_with_offload(tmp_path, capsys):

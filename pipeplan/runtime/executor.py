@@ -69,7 +69,7 @@ class Clock:
     def __init__(self, device: torch.device, now: Callable[[], float] = time.perf_counter):
         self.cuda = device.type == "cuda"
         self.now = now
-        self.t0: float | torch.cuda.Event = 0.0
+        self.t0: Any = 0.0  # a float (seconds) on the CPU, a torch.cuda.Event on CUDA
         self.host_t0 = 0.0
 
     def mark(self):
@@ -277,6 +277,7 @@ class PipelineExecutor:
         chunk = self.chunks[a.stage]
         received = self._input(a)
         if received is None:
+            assert self.batches is not None  # the first stage's rank is given its microbatches
             x = self.batches[a.microbatch][0].to(self.device, non_blocking=True)  # tokens (b, T)
         else:
             x = received.requires_grad_(True)  # (b, T, h), a leaf: its .grad is the stage's input grad
@@ -290,6 +291,7 @@ class PipelineExecutor:
             with meter, autocast(self.device, self.autocast_dtype):
                 out = chunk(x)
                 if a.stage == self.num_stages - 1:
+                    assert self.batches is not None  # so is the last stage's
                     labels = self.batches[a.microbatch][1].to(self.device, non_blocking=True)
                     loss = cross_entropy(out, labels)
                     self.loss_tensors[a.microbatch] = loss.detach()
@@ -340,6 +342,7 @@ class PipelineExecutor:
             total = store.nbytes
             moved = 0
             if self.stash_share[a.stage] > 0 and total:
+                assert self.offload_stream is not None  # made when any share is above 0
                 moved = stash_offload.offload(store, self.stash_share[a.stage], self.offload_stream)
                 self._stash_offloaded += moved
                 self.stash_away.add(key)

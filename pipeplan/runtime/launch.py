@@ -139,7 +139,7 @@ def _spawn_entry(rank: int, fn: Callable, world: int, port: int, result_dir: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if backend == "nccl":
         torch.cuda.set_device(rank)
         kwargs["device_id"] = torch.device("cuda", rank)
@@ -157,10 +157,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 12
     """Run fn(rank, world, *args) on `nprocs` ranks (gloo; or NCCL, one GPU per rank); their return values,
     by rank. A rank that raises fails the call (torch.multiprocessing.ProcessRaisedException); past
     `timeout_s` all are killed."""
-    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import start_processes
 
     with tempfile.TemporaryDirectory(prefix="pipeplan-spawn-") as tmp:
-        ctx = mp.start_processes(_spawn_entry, args=(fn, nprocs, free_port(), tmp, timeout_s, backend, args),
+        ctx = start_processes(_spawn_entry, args=(fn, nprocs, free_port(), tmp, timeout_s, backend, args),
                                  nprocs=nprocs, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=0.5):

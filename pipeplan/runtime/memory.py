@@ -52,6 +52,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -63,6 +64,9 @@ from pipeplan.sim.config import Scenario
 from pipeplan.sim.errors import PipeplanError
 from pipeplan.sim.ir import Schedule
 from pipeplan.solver.memory_milp import MemoryChoice
+
+if TYPE_CHECKING:
+    from pipeplan.runtime.model import Transformer
 
 _active = threading.local()
 
@@ -88,7 +92,7 @@ class RunMemory:
 
     @property
     def offloads_weights(self) -> bool:
-        return bool(self.weights_offloaded) and any(self.weights_offloaded)
+        return self.weights_offloaded is not None and any(self.weights_offloaded)
 
     @property
     def labels(self) -> list[str]:
@@ -115,6 +119,7 @@ def run_memory(sc: Scenario, schedule: Schedule, choice: MemoryChoice | None = N
                 raise PipeplanError(f"memory.recompute: the runtime has no policy {c.recompute!r}; it runs "
                                     f"{', '.join(RECOMPUTE_WRAPPERS)} (and chronos, which resolves to them)")
         return RunMemory(chunks, [mem.optimizer != "hbm"] * schedule.num_ranks, _weights(plan), stash)
+    assert costs.detail is not None  # a [model] scenario's cost table has its detail
     k, j, layers = resolved.choice.recompute_layers, resolved.choice.op_recompute_layers, costs.detail.layers
     share = _shares(plan.offload_bytes, plan.kept_bytes)
     chunks = [
@@ -144,7 +149,7 @@ def _weights(plan) -> list[bool]:
     return [bool(x) for x in plan.weight_offload_bytes] if len(plan.weight_offload_bytes) else []
 
 
-def apply_policy(chunk: nn.Module, policy: ChunkMemory | str) -> nn.Module:
+def apply_policy(chunk: Transformer, policy: ChunkMemory | str) -> Transformer:
     """Recompute as `policy` says (names and parameters unchanged): its policy on every layer, or on the first
     `recompute_layers` and op-level on the `op_layers` after them (a planned chunk)."""
     if isinstance(policy, str):
@@ -178,7 +183,7 @@ def _checkpoint_layer(layer: nn.Module) -> None:
 
 def _checkpoint_attention_core(layer: nn.Module) -> None:
     """selective: keep the core's inputs Q, K, V, recompute softmax(QK^T)V before its backward."""
-    core = layer.attention.core
+    core = layer.get_submodule("attention.core")
     core.forward = functools.partial(_checkpointed, core.forward)
 
 
@@ -189,7 +194,7 @@ def _checkpoint_layer_ops(layer: nn.Module) -> None:
 
 def _recompute_norms(layer: nn.Module) -> None:
     """recompute_norms: keep each norm's input, not its output; the GEMMs reading the output save a token."""
-    for norm in (layer.attention_norm, layer.ffn_norm):
+    for norm in (layer.get_submodule("attention_norm"), layer.get_submodule("ffn_norm")):
         norm.forward = functools.partial(_norm_without_output, norm.forward)
 
 
@@ -280,7 +285,7 @@ class _Regenerated:
     dtype: torch.dtype
     size: torch.Size
     stride: tuple[int, ...]
-    offset: int
+    offset: int | torch.SymInt
 
     def get(self) -> torch.Tensor:
         return self.source.get().to(self.dtype).as_strided(self.size, self.stride, self.offset)

@@ -138,6 +138,9 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """The full decoder, or one pipeline chunk of it (see module docstring)."""
 
+    rope_cos: torch.Tensor  # (seq_len, head_dim / 2) buffers, registered in __init__
+    rope_sin: torch.Tensor
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args

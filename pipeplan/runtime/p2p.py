@@ -109,6 +109,7 @@ class P2P:
             if self.stage_to_rank[msg.consumer_stage] == self.rank:
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.wire)
                 work = dist.irecv(buf, self._peer_global(peer), group=self.group, tag=self._tag(msg))
+                assert work is not None  # None only on a rank outside the group
                 self.posted[msg] = (buf, work)
             else:
                 tensor = self.ready.pop(msg, None)
@@ -117,6 +118,7 @@ class P2P:
                         raise RuntimeError(f"P2P order with rank {peer}: {msg} is due before it was produced")
                     return
                 work = dist.isend(tensor, self._peer_global(peer), group=self.group, tag=self._tag(msg))
+                assert work is not None  # None only on a rank outside the group
                 self.sends.append((work, tensor))
             self.issued[peer] += 1
 

@@ -23,6 +23,7 @@ def reference_losses(cfg: RunConfig, device: torch.device | str = "cpu") -> list
     """Per step, the loss of every microbatch."""
     sc, sched = load_run_scenario(cfg)
     m, b = sc.model, sc.training.micro_batch_size
+    assert m is not None  # load_run_scenario refuses explicit [costs]
     model = build_model(ModelArgs.from_scenario(m), device, cfg.seed)
     opt = build_optimizer(list(model.parameters()), sc.training.optimizer, cfg.lr)
     data = TokenData(cfg.data, m.vocab, m.seq_len, b, cfg.seed)

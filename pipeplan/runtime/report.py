@@ -116,10 +116,12 @@ def rel_error(predicted: float, measured: float) -> float | None:
 
 def write_run(cfg: RunConfig, scenario: Scenario, schedule: Schedule, ranks: list[RankResult],
               extra: dict[str, Any]) -> dict[str, Any]:
+    assert cfg.out_dir is not None  # the worker writes outputs only when given a folder
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ranks = sorted(ranks, key=lambda r: r["rank"])
     m = scenario.model
+    assert m is not None  # a run's scenario has a [model]
     tokens_per_step = scenario.training.micro_batch_size * m.seq_len * schedule.num_microbatches
     metrics = step_table(ranks, tokens_per_step)
     steps = steady_steps(ranks[0]["history"])
@@ -195,6 +197,7 @@ def write_run(cfg: RunConfig, scenario: Scenario, schedule: Schedule, ranks: lis
 def write_profile(cfg: RunConfig, scenario: Scenario, schedule: Schedule, ranks: list[RankResult],
                   extra: dict[str, Any]) -> dict[str, Any]:
     """profile.json and scenario.toml: an explicit-costs scenario measured on this hardware."""
+    assert cfg.out_dir is not None  # the worker writes outputs only when given a folder
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ranks = sorted(ranks, key=lambda r: r["rank"])

@@ -56,8 +56,11 @@ def torch_step(torch_schedule, schedule: Schedule, stages: Sequence[int],
                batches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None, device: torch.device) -> list[float]:
     """One step through torch's schedule; the per-microbatch losses on the rank holding the last stage."""
     last = schedule.num_stages - 1
-    inputs = torch.cat([b[0] for b in batches]).to(device) if 0 in stages else None
-    target = torch.cat([b[1] for b in batches]).to(device) if last in stages else None
+    inputs = target = None
+    if 0 in stages or last in stages:
+        assert batches is not None  # the ranks holding the first or the last stage are given the data
+        inputs = torch.cat([b[0] for b in batches]).to(device) if 0 in stages else None
+        target = torch.cat([b[1] for b in batches]).to(device) if last in stages else None
     losses: list[torch.Tensor] = []
     if inputs is not None:
         torch_schedule.step(inputs, target=target, losses=losses)

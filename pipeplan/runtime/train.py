@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -100,6 +101,7 @@ class Trainer:
                 "process per pipeline rank (--nproc-per-node x --nnodes = pipeline.stages)"
             )
         m = self.scenario.model
+        assert m is not None  # load_run_scenario refuses explicit [costs]
         self.args = ModelArgs.from_scenario(m)
         self.stages = [s for s in range(sched.num_stages) if sched.stage_to_rank[s] == self.rank]
         self.layer_ranges = scenario_layer_ranges(self.scenario)  # the simulator's placement, chunk by chunk
@@ -134,6 +136,7 @@ class Trainer:
         self.freezer = Freezer.build(phases, sched, self.chunks, cfg.seed, self.rank)
         self.start_step = 0
         if cfg.resume:
+            assert cfg.checkpoint_dir is not None  # RunConfig refuses resume without it
             self.load_state_dict(checkpoint.load(cfg.checkpoint_dir, self.rank, self.device))
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -175,7 +178,7 @@ class Trainer:
         """Gather every rank's monitoring, solve on rank 0 for `cap` (the solver's LP), broadcast the plan."""
         measurements: list = [None] * self.world
         dist.all_gather_object(measurements, {k: dict(v) for k, v in self.freezer.durations.items()})
-        box = [None]
+        box: list[Any] = [None]
         if self.rank == 0:
             self.freezer.solve(measurements, cap)
             box = [(self.freezer.plan, self.freezer.planned_makespan_s, self.freezer.unfrozen_makespan_s)]

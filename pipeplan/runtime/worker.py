@@ -30,6 +30,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,7 @@ def init_distributed(cfg: RunConfig) -> tuple[int, int, torch.device]:
     device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
     torch.set_num_threads(cfg.threads)
     backend = choose_backend(device, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    kwargs = {"device_id": device} if backend == "nccl" else {}
+    kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s), **kwargs)
     return rank, world, device
 
@@ -79,6 +80,7 @@ def input_problem(cfg: RunConfig, rank: int) -> str | None:
     if cfg.data not in (None, *NAMED_SOURCES) and not Path(cfg.data).is_file():
         return f"--data {cfg.data}: file not found (every node needs it at this path)"
     if cfg.resume:
+        assert cfg.checkpoint_dir is not None  # RunConfig refuses resume without it
         try:
             checkpoint.check_resumable(cfg.checkpoint_dir, [rank])
         except PipeplanError as exc:
@@ -147,7 +149,7 @@ def run_job(cfg: RunConfig, rank: int, world: int, device: torch.device) -> None
         info["p2p_s"] = measure_p2p(trainer.executor.p2p.shape, torch.float32, device, rank, world)
     gathered: list | None = [None] * world if rank == 0 else None
     dist.gather_object(info, gathered, dst=0)
-    if rank == 0 and cfg.out_dir:
+    if gathered is not None and cfg.out_dir:  # rank 0
         extra = {"planned_makespan_s": trainer.freezer.planned_makespan_s, "plan": trainer.freezer.plan,
                  "unfrozen_makespan_s": trainer.freezer.unfrozen_makespan_s,
                  "policies": trainer.policies,
@@ -182,4 +184,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from pipeplan.runtime.launch import exit_without_teardown
 
-    exit_without_teardown(main())
+    exit_without_teardown(main() or 0)  # torch's @record types the result int | None

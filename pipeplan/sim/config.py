@@ -370,7 +370,7 @@ class FreezeConfig(_Section):
         if not self.curve:
             raise ValueError("curve: empty; give points from [0, 1] to [1, 0], e.g. [[0, 1], [1, 0]], or omit it")
         per_chunk = _per_chunk_curves(self.curve)
-        curves = self.curve if _per_chunk_curves(self.curve) else [self.curve]
+        curves = self.curve if _per_chunk_curves(self.curve) else [self.curve]  # (the call narrows the type)
         for k, pts in enumerate(curves):
             where = f"curve (chunk {k})" if per_chunk else "curve"
             _check_freeze_curve(where, pts)

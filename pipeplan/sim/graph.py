@@ -34,7 +34,7 @@ import functools
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple
@@ -611,7 +611,9 @@ class WeightWindow(NamedTuple):
     issuer: int
 
 
-def weight_windows(schedule: Schedule, lookahead: int, chunks: np.ndarray | None = None) -> list[WeightWindow]:
+def weight_windows(
+    schedule: Schedule, lookahead: int, chunks: np.ndarray | Sequence[bool] | None = None
+) -> list[WeightWindow]:
     """The windows of every chunk (`chunks`: a per-chunk mask, default all), nodes in StepStructure order.
 
     A chunk uses its weights in every one of its actions (F, B, I; W too: its gradients accumulate next to

@@ -5,9 +5,11 @@
     cuBLAS workspace     one per (handle, stream); PyTorch's default is 32 MiB on Hopper and 8.125 MiB before
                          (aten/src/ATen/cuda/CublasHandlePool.cpp); compute and communication streams: 2
     NCCL buffers         per communicator, NCCL_BUFFSIZE (default 4 MiB, NCCL environment-variable docs) for
-                         each of the send and receive sides of each channel; NCCL opens up to 16 channels
-                         per communicator on NVLink systems by default (NCCL_MAX_NCHANNELS ... ), so
-                         2 * 16 * 4 MiB = 128 MiB per communicator this rank uses (TP, PP, DP)
+                         each of the send and receive sides of each channel: each channel has its own buffer
+                         for collectives (NVIDIA/nccl#1450) and the footprint grows linearly with the channel
+                         count (NVIDIA/nccl#986). The count (NCCL_CHANNELS) is ASSUMED, not sourced or measured:
+                         NCCL picks it per topology and algorithm. 2 * 16 * 4 MiB = 128 MiB per communicator
+                         this rank uses (TP, PP, DP)
     FSDP (ZeRO-3)        without a pipeline, the all-gathered parameters of the current and the prefetched
                          layer (bf16, Float8 linears in fp8) and the current layer's fp32 unsharded gradient
                          before its reduce-scatter (torch FSDP2); with a pipeline every weight stays gathered
@@ -33,7 +35,7 @@ from pipeplan.sim.config import Scenario
 from pipeplan.sim.data_parallel import bucket_params, effective_zero, zero3_gather_bytes, zero3_reshards
 
 NCCL_BUFFSIZE_BYTES = 4 * MIB  # NCCL_BUFFSIZE default
-NCCL_CHANNELS = 16
+NCCL_CHANNELS = 16  # assumed (module docstring); to measure: device memory before and after a first collective
 CUBLAS_STREAMS = 2  # compute + communication stream each get a cuBLAS workspace
 
 
