@@ -30,7 +30,9 @@ Phases (step numbers from 0), as TimelyFreeze runs them:
     steady       after                the plan at the full cap
 
 Frozen sets are re-drawn every K steps and whenever the plan changes. `uniform` follows the same phases
-with every ratio at the step's cap (the same budget, spread evenly, ramped the same way).
+with every ratio at the step's cap (the same budget, spread evenly, ramped the same way). `autofreeze` is
+the published baseline (runtime/autofreeze.py): after the warm-up, converged blocks front to back, frozen
+for every microbatch, up to the cap's share of the parameters.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pipeplan.runtime.autofreeze import AutoFreeze
 from pipeplan.runtime.executor import StepTrace
 from pipeplan.sim.config import FreezeConfig
 from pipeplan.sim.costs import CostTable
@@ -89,6 +92,8 @@ class FreezePhases:
     def phase(self, step: int) -> str:
         if self.mode == "none" or step < self.warmup:
             return "warmup" if self.mode != "none" else "off"
+        if self.mode == "autofreeze":
+            return "autofreeze"
         k = step - self.warmup
         if k < self.monitor:
             return "monitor"
@@ -104,7 +109,9 @@ class FreezePhases:
     def solve_steps(self) -> range:
         """After these steps the plan is (re-)solved for the next step's cap: the end of monitoring and
         every ramp step (in steady state the cap no longer changes)."""
-        return range(self.solve_after_step, self.solve_after_step + self.ramp + 1) if self.mode != "none" else range(0)
+        if self.mode in ("none", "autofreeze"):
+            return range(0)
+        return range(self.solve_after_step, self.solve_after_step + self.ramp + 1)
 
     def ramp_scale(self, step: int) -> float:
         k = step - self.warmup - self.monitor
@@ -140,6 +147,7 @@ class Freezer:
 
     def __post_init__(self) -> None:
         self.gen = torch.Generator().manual_seed(self.seed)
+        self.auto = AutoFreeze(self.phases.cap) if self.phases.mode == "autofreeze" else None
 
     @classmethod
     def build(cls, phases: FreezePhases, schedule: Schedule, chunks: Mapping[int, nn.Module], seed: int,
@@ -159,7 +167,13 @@ class Freezer:
         return {k: self.plan.get(k, 0.0) for k in keys}  # the plan solved for this step's cap
 
     def frozen(self, step: int) -> dict[Key, list[str]]:
-        """Parameter names frozen per local (stage, mb) at `step`: re-drawn every K steps and on a new plan."""
+        """Parameter names frozen per local (stage, mb) at `step`: re-drawn every K steps and on a new plan
+        (autofreeze: its frozen blocks, for every microbatch)."""
+        if self.auto is not None:
+            on = self.phases.phase(step) == "autofreeze"
+            self.drawn = {(s, mb): self.auto.frozen_names([n for n, _ in units]) if on else []
+                          for s, units in self.units.items() for mb in range(self.schedule.num_microbatches)}
+            return {k: v for k, v in self.drawn.items() if v}
         ratios = self.ratios(step)
         planned = self.phases.phase(step) in ("ramp", "steady")
         version = self.plan_version if planned else None
@@ -279,7 +293,7 @@ class Freezer:
                 "unfrozen_makespan_s": self.unfrozen_makespan_s, "plan_cap": self.plan_cap,
                 "plan_version": self.plan_version, "durations": {k: dict(v) for k, v in self.durations.items()},
                 "drawn": dict(self.drawn), "drawn_at": self.drawn_at, "drawn_version": self.drawn_version,
-                "gen": self.gen.get_state()}
+                "gen": self.gen.get_state(), "auto": self.auto.state_dict() if self.auto is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.plan = dict(state["plan"])
@@ -289,4 +303,6 @@ class Freezer:
         self.durations = {k: defaultdict(list, v) for k, v in state["durations"].items()}
         self.drawn, self.drawn_at = dict(state["drawn"]), state["drawn_at"]
         self.drawn_version = state["drawn_version"]
-        self.gen.set_state(state["gen"].cpu())  # a CPU ByteTensor, whatever device the checkpoint went through
+        self.gen.set_state(state["gen"].cpu())
+        if self.auto is not None and state.get("auto") is not None:
+            self.auto.load_state_dict(state["auto"])  # a CPU ByteTensor, whatever device the checkpoint went through

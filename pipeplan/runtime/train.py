@@ -147,6 +147,11 @@ class Trainer:
                 atomic_write_text(cfg.progress_file, f"{step + 1}\n")
             if step in self.freezer.phases.solve_steps:  # end of monitoring, and each ramp step
                 self.solve_freeze_plan(self.freezer.phases.cap_at(step + 1))
+            auto = self.freezer.auto
+            if auto is not None and auto.due(step, self.freezer.phases.warmup):  # AutoFreeze's evaluation
+                gathered: list = [None] * self.world
+                dist.all_gather_object(gathered, auto.local(self.chunks))
+                auto.decide(gathered, step)
             last = step == cfg.steps - 1
             if cfg.checkpoint_dir and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or last):
                 checkpoint.save(cfg.checkpoint_dir, step + 1, self.rank, self.state_dict())
@@ -161,6 +166,8 @@ class Trainer:
         dist.barrier()
         t0, cpu0 = self.now(), time.process_time()
         trace = self.executor.run_step(batches, frozen)
+        if self.freezer.auto is not None:
+            self.freezer.auto.observe(self.chunks)  # the step's gradient norms, before the optimizer's
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
