@@ -93,3 +93,43 @@ def test_the_study_summary_finds_the_front_and_the_prediction_error():
     assert summary.loc[summary["method"] == "none", "heldout_loss_spread"].iloc[0] == pytest.approx(0.01)
     assert front_line(summary).startswith("on the front (held-out loss vs CPU time per step, mean over seeds): "
                                           "none, timelyfreeze")
+
+
+# ---- APF (Chen et al., ICDCS 2021) ----------------------------------------------------------------------
+def test_apf_freezes_oscillating_scalars_not_drifting_ones_with_aimd_periods():
+    from pipeplan.runtime.apf import APF
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    chunk = torch.nn.Module()
+    chunk.w = w
+    apf = APF(cap=1.0, alpha=0.9, threshold=0.3)
+    apf.start({0: chunk})
+    periods = []
+    for k in range(6):  # scalar 0 oscillates (+1, -1, ...), scalar 1 drifts (+1 every check)
+        with torch.no_grad():
+            w += torch.tensor([1.0 if k % 2 == 0 else -1.0, 1.0])
+        apf.check({0: chunk})
+        periods.append(apf.state["w"]["period"].tolist())
+        apf.roll_back({0: chunk})
+    assert all(p[1] == 0 for p in periods)  # P = 1 while drifting: never frozen
+    assert periods[-1][0] >= 1 and apf.frozen_mask("w").tolist()[1] is False
+    # a frozen scalar keeps its value through the optimizer's update
+    frozen = apf.frozen_mask("w")
+    if frozen[0]:
+        before = float(w[0])
+        with torch.no_grad():
+            w += 5.0
+        apf.roll_back({0: chunk})
+        assert float(w[0]) == before and float(w[1]) != before
+
+
+def test_apf_runs_in_the_trainer_within_the_cap(world_of_one):
+    from pipeplan.runtime.train import Trainer
+
+    cfg = RunConfig(overrides=ONE_STAGE, data="synthetic", timeout_s=30, freeze="apf", freeze_cap=0.3,
+                    freeze_warmup=0, steps=8)
+    t = Trainer(cfg, 0, 1, torch.device("cpu"))
+    t.freezer.apf.threshold = 0.9  # most scalars count as stable: the cap is what binds
+    history = t.train()
+    assert all(r.phase == "apf" for r in history)
+    assert 0 < t.freezer.apf.frozen_share() <= 0.3 + 1e-9 and t.freezer.apf.checks == 4

@@ -132,6 +132,8 @@ class Trainer:
         phases = FreezePhases(cfg.freeze, cap, cfg.freeze_warmup, cfg.freeze_monitor, cfg.freeze_ramp,
                               cfg.freeze_redraw, self.scenario.freeze.max_ratio)
         self.freezer = Freezer.build(phases, sched, self.chunks, cfg.seed, self.rank)
+        if self.freezer.apf is not None:
+            self.freezer.apf.start(self.chunks)
         self.start_step = 0
         if cfg.resume:
             self.load_state_dict(checkpoint.load(cfg.checkpoint_dir, self.rank, self.device))
@@ -152,6 +154,11 @@ class Trainer:
                 gathered: list = [None] * self.world
                 dist.all_gather_object(gathered, auto.local(self.chunks))
                 auto.decide(gathered, step)
+            apf = self.freezer.apf
+            if apf is not None and step >= self.freezer.phases.warmup and apf.due(step):  # APF's check
+                counts: list = [None] * self.world
+                dist.all_gather_object(counts, apf.check(self.chunks))
+                apf.adapt_threshold(sum(f for f, _ in counts), sum(t for _, t in counts))
             last = step == cfg.steps - 1
             if cfg.checkpoint_dir and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or last):
                 checkpoint.save(cfg.checkpoint_dir, step + 1, self.rank, self.state_dict())
@@ -169,6 +176,8 @@ class Trainer:
         if self.freezer.auto is not None:
             self.freezer.auto.observe(self.chunks)  # the step's gradient norms, before the optimizer's
         self.optimizer.step()
+        if self.freezer.apf is not None:
+            self.freezer.apf.roll_back(self.chunks)  # frozen scalars keep their value
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -10,7 +10,8 @@ CPython) or `--corpus pydoc` (the topics alone); a tenth of the documents is hel
 are drawn only where their bytes occur nowhere in training (runtime/corpus.py). Methods: `timelyfreeze`
 (`pipeplan run --freeze timelyfreeze --cap C`: warm-up, monitoring, the LP, a ramp of the cap; cap 0 has the
 same phases with a plan that freezes nothing), `autofreeze` (runtime/autofreeze.py: converged blocks front to
-back up to C of the parameters), `uniform` (every action at ratio C) and `none` (run once per seed). Seeds are
+back up to C of the parameters), `apf` (runtime/apf.py: stable scalars for adaptive periods, up to C of
+them), `uniform` (every action at ratio C) and `none` (run once per seed). Seeds are
 --seed, --seed + 1, ...: weights, data order and draws. After each run the final weights (from its end-of-run
 checkpoint) are evaluated on held-out text.
 
@@ -61,7 +62,7 @@ COLUMNS = ("cap", "tokens", "final_loss", "heldout_loss", "mean_step_time_s", "p
            "median_step_time_s", "cpu_time_per_step_s", "predicted_unfrozen_step_time_s", "predicted_gain",
            "planned_mean_ratio", "realized_mean_ratio", "method", "seed", "measured_cpu_ratio",
            "prediction_error")
-METHODS = ("timelyfreeze", "autofreeze", "uniform", "none")
+METHODS = ("timelyfreeze", "apf", "autofreeze", "uniform", "none")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
