@@ -179,7 +179,9 @@ def test_freeze_study_trains_once_per_cap_and_reports_loss_and_speed(scenario, t
     assert table[["final_loss", "heldout_loss", "mean_step_time_s", "predicted_step_time_s"]].gt(0).all().all()
     assert table["realized_mean_ratio"].iloc[0] == 0 and table["realized_mean_ratio"].iloc[1] > 0
     # same seed, same data, same phases: the runs differ only by what the cap froze
-    a, b = (pd.read_csv(out / f"cap-{c}" / "metrics.csv") for c in ("0", "0.9"))
+    a, b = (pd.read_csv(out / f"timelyfreeze-cap-{c}-seed-0" / "metrics.csv") for c in ("0", "0.9"))
+    assert list(table["method"]) == ["timelyfreeze"] * 2 and list(table["seed"]) == [0, 0]
+    assert table["measured_cpu_ratio"].iloc[0] == 1.0
     assert a["loss"].iloc[0] == b["loss"].iloc[0] and list(a["phase"]) == list(b["phase"])
     assert (out / "loss_curves.png").stat().st_size > 0
     assert not (out / "checkpoints").exists() and not list(out.glob(".progress-*"))  # no scratch left behind

@@ -17,7 +17,7 @@ from pipeplan.sim.errors import PipeplanError
 if TYPE_CHECKING:
     from pipeplan.solver.memory_milp import MemoryChoice
 
-FREEZE_MODES = ("none", "uniform", "timelyfreeze")
+FREEZE_MODES = ("none", "uniform", "timelyfreeze", "autofreeze", "apf")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -36,7 +36,9 @@ class RunConfig:
     seed: int = 0
     lr: float = 1e-3
     freeze: str = "none"
-    """none | uniform (every freezable action at ratio `freeze_cap`) | timelyfreeze (the LP's ratios)."""
+    """none | uniform (every freezable action at ratio `freeze_cap`) | timelyfreeze (the LP's ratios) |
+    autofreeze (converged blocks front to back, up to `freeze_cap` of the parameters; runtime/autofreeze.py) |
+    apf (stable scalars for adaptive periods, up to `freeze_cap` of them; runtime/apf.py)."""
     freeze_cap: float | None = None
     """Mean freeze ratio allowed per stage; None: the scenario's freeze.cap."""
     freeze_warmup: int = 2

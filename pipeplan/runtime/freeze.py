@@ -30,7 +30,10 @@ Phases (step numbers from 0), as TimelyFreeze runs them:
     steady       after                the plan at the full cap
 
 Frozen sets are re-drawn every K steps and whenever the plan changes. `uniform` follows the same phases
-with every ratio at the step's cap (the same budget, spread evenly, ramped the same way).
+with every ratio at the step's cap (the same budget, spread evenly, ramped the same way). `autofreeze` is
+the published baseline (runtime/autofreeze.py): after the warm-up, converged blocks front to back, frozen
+for every microbatch, up to the cap's share of the parameters; `apf` likewise (runtime/apf.py): stable
+scalars for adaptive periods, whole tensors frozen for every microbatch.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from pipeplan.runtime.apf import APF
+from pipeplan.runtime.autofreeze import AutoFreeze
 from pipeplan.runtime.executor import StepTrace
 from pipeplan.sim.config import FreezeConfig
 from pipeplan.sim.costs import CostTable
@@ -89,6 +94,8 @@ class FreezePhases:
     def phase(self, step: int) -> str:
         if self.mode == "none" or step < self.warmup:
             return "warmup" if self.mode != "none" else "off"
+        if self.mode in ("autofreeze", "apf"):
+            return self.mode
         k = step - self.warmup
         if k < self.monitor:
             return "monitor"
@@ -104,7 +111,9 @@ class FreezePhases:
     def solve_steps(self) -> range:
         """After these steps the plan is (re-)solved for the next step's cap: the end of monitoring and
         every ramp step (in steady state the cap no longer changes)."""
-        return range(self.solve_after_step, self.solve_after_step + self.ramp + 1) if self.mode != "none" else range(0)
+        if self.mode in ("none", "autofreeze", "apf"):
+            return range(0)
+        return range(self.solve_after_step, self.solve_after_step + self.ramp + 1)
 
     def ramp_scale(self, step: int) -> float:
         k = step - self.warmup - self.monitor
@@ -140,6 +149,8 @@ class Freezer:
 
     def __post_init__(self) -> None:
         self.gen = torch.Generator().manual_seed(self.seed)
+        self.auto = AutoFreeze(self.phases.cap) if self.phases.mode == "autofreeze" else None
+        self.apf = APF(self.phases.cap) if self.phases.mode == "apf" else None
 
     @classmethod
     def build(cls, phases: FreezePhases, schedule: Schedule, chunks: Mapping[int, nn.Module], seed: int,
@@ -159,7 +170,14 @@ class Freezer:
         return {k: self.plan.get(k, 0.0) for k in keys}  # the plan solved for this step's cap
 
     def frozen(self, step: int) -> dict[Key, list[str]]:
-        """Parameter names frozen per local (stage, mb) at `step`: re-drawn every K steps and on a new plan."""
+        """Parameter names frozen per local (stage, mb) at `step`: re-drawn every K steps and on a new plan
+        (autofreeze: its frozen blocks, for every microbatch)."""
+        if self.auto is not None or self.apf is not None:
+            on = self.phases.phase(step) == self.phases.mode
+            pick = self.auto.frozen_names if self.auto is not None else self.apf.whole_tensors
+            self.drawn = {(s, mb): pick([n for n, _ in units]) if on else []
+                          for s, units in self.units.items() for mb in range(self.schedule.num_microbatches)}
+            return {k: v for k, v in self.drawn.items() if v}
         ratios = self.ratios(step)
         planned = self.phases.phase(step) in ("ramp", "steady")
         version = self.plan_version if planned else None
@@ -171,7 +189,10 @@ class Freezer:
         return {k: v for k, v in self.drawn.items() if v}
 
     def realized_ratio(self) -> float:
-        """Mean over local (stage, mb) of the frozen share of the chunk's parameters, as last drawn."""
+        """Mean over local (stage, mb) of the frozen share of the chunk's parameters, as last drawn (apf: the
+        share of this rank's scalars frozen)."""
+        if self.apf is not None:
+            return self.apf.frozen_share()
         shares = []
         for (s, _mb), names in self.drawn.items():
             sizes = dict(self.units[s])
@@ -279,7 +300,8 @@ class Freezer:
                 "unfrozen_makespan_s": self.unfrozen_makespan_s, "plan_cap": self.plan_cap,
                 "plan_version": self.plan_version, "durations": {k: dict(v) for k, v in self.durations.items()},
                 "drawn": dict(self.drawn), "drawn_at": self.drawn_at, "drawn_version": self.drawn_version,
-                "gen": self.gen.get_state()}
+                "gen": self.gen.get_state(), "auto": self.auto.state_dict() if self.auto is not None else None,
+                "apf": self.apf.state_dict() if self.apf is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.plan = dict(state["plan"])
@@ -289,4 +311,8 @@ class Freezer:
         self.durations = {k: defaultdict(list, v) for k, v in state["durations"].items()}
         self.drawn, self.drawn_at = dict(state["drawn"]), state["drawn_at"]
         self.drawn_version = state["drawn_version"]
-        self.gen.set_state(state["gen"].cpu())  # a CPU ByteTensor, whatever device the checkpoint went through
+        self.gen.set_state(state["gen"].cpu())
+        if self.auto is not None and state.get("auto") is not None:
+            self.auto.load_state_dict(state["auto"])
+        if self.apf is not None and state.get("apf") is not None:
+            self.apf.load_state_dict(state["apf"])  # a CPU ByteTensor, whatever device the checkpoint went through

@@ -134,6 +134,8 @@ class Trainer:
         phases = FreezePhases(cfg.freeze, cap, cfg.freeze_warmup, cfg.freeze_monitor, cfg.freeze_ramp,
                               cfg.freeze_redraw, self.scenario.freeze.max_ratio)
         self.freezer = Freezer.build(phases, sched, self.chunks, cfg.seed, self.rank)
+        if self.freezer.apf is not None:
+            self.freezer.apf.start(self.chunks)
         self.start_step = 0
         if cfg.resume:
             assert cfg.checkpoint_dir is not None  # RunConfig refuses resume without it
@@ -150,6 +152,16 @@ class Trainer:
                 atomic_write_text(cfg.progress_file, f"{step + 1}\n")
             if step in self.freezer.phases.solve_steps:  # end of monitoring, and each ramp step
                 self.solve_freeze_plan(self.freezer.phases.cap_at(step + 1))
+            auto = self.freezer.auto
+            if auto is not None and auto.due(step, self.freezer.phases.warmup):  # AutoFreeze's evaluation
+                gathered: list = [None] * self.world
+                dist.all_gather_object(gathered, auto.local(self.chunks))
+                auto.decide(gathered, step)
+            apf = self.freezer.apf
+            if apf is not None and step >= self.freezer.phases.warmup and apf.due(step):  # APF's check
+                counts: list = [None] * self.world
+                dist.all_gather_object(counts, apf.check(self.chunks))
+                apf.adapt_threshold(sum(f for f, _ in counts), sum(t for _, t in counts))
             last = step == cfg.steps - 1
             if cfg.checkpoint_dir and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or last):
                 checkpoint.save(cfg.checkpoint_dir, step + 1, self.rank, self.state_dict())
@@ -164,7 +176,11 @@ class Trainer:
         dist.barrier()
         t0, cpu0 = self.now(), time.process_time()
         trace = self.executor.run_step(batches, frozen)
+        if self.freezer.auto is not None:
+            self.freezer.auto.observe(self.chunks)  # the step's gradient norms, before the optimizer's
         self.optimizer.step()
+        if self.freezer.apf is not None:
+            self.freezer.apf.roll_back(self.chunks)  # frozen scalars keep their value
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

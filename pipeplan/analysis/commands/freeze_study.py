@@ -2,28 +2,36 @@
 
     pipeplan freeze-study                                         # freeze-study-cpu, caps 0,0.3,0.6,0.9
     pipeplan freeze-study SCEN.toml --caps 0,0.5 --tokens 65536 --out out/fs
-    pipeplan freeze-study --caps 0,0.9 --tokens 8192 --set model.layers=2   # a quick look
+    pipeplan freeze-study --methods timelyfreeze,autofreeze,none --caps 0.5,0.9 --seeds 3
 
-The same model from the same seed is trained once per cap, to the same number of tokens, on the same data:
+The same model is trained once per (method, cap, seed), to the same number of tokens, on the same data:
 `--corpus python` (default: the standard library's sources and Language Reference topics that ship with
 CPython) or `--corpus pydoc` (the topics alone); a tenth of the documents is held out, and evaluation windows
-are drawn only where their bytes occur nowhere in training (runtime/corpus.py).
-Each run is `pipeplan run --freeze timelyfreeze --cap C` (warm-up,
-monitoring, the LP, a ramp of the cap), so cap 0 has the same phases with a plan that freezes nothing.
-After each run the final weights (from its end-of-run checkpoint) are evaluated on held-out text.
+are drawn only where their bytes occur nowhere in training (runtime/corpus.py). Methods: `timelyfreeze`
+(`pipeplan run --freeze timelyfreeze --cap C`: warm-up, monitoring, the LP, a ramp of the cap; cap 0 has the
+same phases with a plan that freezes nothing), `autofreeze` (runtime/autofreeze.py: converged blocks front to
+back up to C of the parameters), `apf` (runtime/apf.py: stable scalars for adaptive periods, up to C of
+them), `uniform` (every action at ratio C) and `none` (run once per seed). Seeds are
+--seed, --seed + 1, ...: weights, data order and draws. After each run the final weights (from its end-of-run
+checkpoint) are evaluated on held-out text.
 
-    freeze_study.csv   cap, tokens, final_loss, heldout_loss, mean_step_time_s, predicted_step_time_s,
-                       wall_s, then median_step_time_s, cpu_time_per_step_s,
-                       predicted_unfrozen_step_time_s, predicted_gain, planned_mean_ratio, realized_mean_ratio
-    loss_curves.png    training loss against tokens and against wall time, one line per cap
-    cap-C/             that run's `pipeplan run` outputs (metrics.csv, timelines, summary.json, ...)
+    freeze_study.csv   one row per method, cap and seed: cap, tokens, final_loss, heldout_loss,
+                       mean_step_time_s, predicted_step_time_s, wall_s, then median_step_time_s,
+                       cpu_time_per_step_s, predicted_unfrozen_step_time_s, predicted_gain, planned_mean_ratio,
+                       realized_mean_ratio, method, seed, measured_cpu_ratio, prediction_error
+    loss_curves.png    training loss against tokens and against wall time, one line per method and cap, the
+                       seeds' range as a band
+    METHOD-cap-C-seed-S/  that run's `pipeplan run` outputs (metrics.csv, timelines, summary.json, ...)
 
 final_loss is the mean training loss over the last tenth of the steps (one step's loss is one batch's);
-mean_step_time_s the mean wall time of the steady steps (median and CPU time per step beside it: the
-CPU time is what other jobs on a shared machine do not inflate); predicted_step_time_s the LP plan's
-simulated makespan at the cap, from the run's own monitoring, and predicted_gain its ratio to the same
-simulation with nothing frozen (predicted_unfrozen_step_time_s): a gain predicted from one monitoring,
-so that runs monitored under different machine load compare; wall_s the whole job, launch included.
+mean_step_time_s the mean wall time of the steps after the full cap's first (the same steps for every
+method; median and CPU time per step beside it: the CPU time is what other jobs on a shared machine do not
+inflate); predicted_step_time_s the LP plan's simulated makespan at the cap, from the run's own monitoring,
+and predicted_gain its ratio to the same simulation with nothing frozen (predicted_unfrozen_step_time_s);
+measured_cpu_ratio the run's CPU time per step over the same seed's unfrozen run's (method none, else the
+method's least cap), and prediction_error = predicted_gain / measured_cpu_ratio - 1; wall_s the whole job,
+launch included. The printed report leads with the methods on the front: the (method, cap) points no other
+beats on both mean held-out loss and mean CPU time per step.
 """
 
 from __future__ import annotations
@@ -52,7 +60,9 @@ HELDOUT_MICROBATCHES = 32  # evaluation windows of the held-out split (x micro_b
 FINAL_SHARE = 0.1  # final_loss: the mean over this last share of the steps
 COLUMNS = ("cap", "tokens", "final_loss", "heldout_loss", "mean_step_time_s", "predicted_step_time_s", "wall_s",
            "median_step_time_s", "cpu_time_per_step_s", "predicted_unfrozen_step_time_s", "predicted_gain",
-           "planned_mean_ratio", "realized_mean_ratio")
+           "planned_mean_ratio", "realized_mean_ratio", "method", "seed", "measured_cpu_ratio",
+           "prediction_error")
+METHODS = ("timelyfreeze", "apf", "autofreeze", "uniform", "none")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             action.help = f"scenario TOML with a [model] table (default: scenarios/{DEFAULT_SCENARIO}.toml)"
     parser.set_defaults(default_scenario=DEFAULT_SCENARIO)
     parser.add_argument("--caps", default=DEFAULT_CAPS, help=f"freeze caps, one run each (default {DEFAULT_CAPS})")
+    parser.add_argument("--methods", default="timelyfreeze",
+                        help=f"comma-separated, of {', '.join(METHODS)} (default timelyfreeze; none runs once, cap 0)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="seeds per method and cap: --seed, --seed + 1, ... (default 1)")
     parser.add_argument("--tokens", type=int, default=65536, help="tokens each run trains on (default 65536)")
     parser.add_argument("--corpus", default="python", choices=("python", "pydoc"),
                         help="text to train and evaluate on (default python: stdlib sources and docs)")
@@ -92,6 +106,12 @@ def run(args: argparse.Namespace) -> int:
     from pipeplan.scenarios import scenario_path
 
     caps = parse_caps(args.caps)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods or any(m not in METHODS for m in methods) or len(set(methods)) != len(methods):
+        raise PipeplanError(f"--methods {args.methods}: give distinct names of {', '.join(METHODS)}")
+    if args.seeds < 1:
+        raise PipeplanError(f"--seeds: must be >= 1 (got {args.seeds})")
+    runs = [(m, c, args.seed + k) for m in methods for c in ([0.0] if m == "none" else caps) for k in range(args.seeds)]
     if args.tokens < 1:
         raise PipeplanError(f"--tokens: must be >= 1 (got {args.tokens})")
     scenario = args.scenario or str(scenario_path(DEFAULT_SCENARIO))
@@ -112,20 +132,25 @@ def run(args: argparse.Namespace) -> int:
     if steps <= first_steady + 1:
         raise PipeplanError(f"--tokens {args.tokens}: {steps} steps of {tokens_per_step} tokens leave no steady "
                             f"steps after warm-up, monitoring and ramp ({first_steady}); give more tokens")
-    console.print(f"{len(caps)} runs of {steps} steps x {tokens_per_step} tokens ({steps * tokens_per_step:,} "
+    console.print(f"{len(runs)} runs of {steps} steps x {tokens_per_step} tokens ({steps * tokens_per_step:,} "
                   f"tokens) on {args.corpus} text; {sched.name} p={sched.num_ranks} m={sched.num_microbatches}")
     try:
-        study = run_study(args, caps, base, steps, tokens_per_step, sched)
+        study = run_study(args, runs, base, steps, tokens_per_step, sched)
     except JobFailed as exc:
         return exc.code
     print_study(study)
-    print(f"wrote {args.out}/: freeze_study.csv loss_curves.png cap-*/")
+    print(f"wrote {args.out}/: freeze_study.csv loss_curves.png METHOD-cap-C-seed-S/")
     return 0
 
 
-def run_study(args: argparse.Namespace, caps: list[float], base: RunConfig, steps: int, tokens_per_step: int,
-              sched: Schedule) -> pd.DataFrame:
-    """One run per cap into a staged folder that replaces --out as a whole when every run succeeded."""
+def run_name(method: str, cap: float, seed: int) -> str:
+    return f"{method}-cap-{cap:g}-seed-{seed}"
+
+
+def run_study(args: argparse.Namespace, runs: list[tuple[str, float, int]], base: RunConfig, steps: int,
+              tokens_per_step: int, sched: Schedule) -> pd.DataFrame:
+    """One run per (method, cap, seed) into a staged folder that replaces --out as a whole when every run
+    succeeded."""
     import pandas as pd
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -138,13 +163,14 @@ def run_study(args: argparse.Namespace, caps: list[float], base: RunConfig, step
         columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                    TimeElapsedColumn())
         with Progress(*columns, console=console) as bar:
-            for cap in caps:
-                task = bar.add_task(f"cap {cap:g}", total=steps)
-                run_dir, ckpt = stage / f"cap-{cap:g}", stage / "checkpoints" / f"cap-{cap:g}"
-                progress = stage / f".progress-cap-{cap:g}"
+            for method, cap, seed in runs:
+                name = run_name(method, cap, seed)
+                task = bar.add_task(name, total=steps)
+                run_dir, ckpt = stage / name, stage / "checkpoints" / name
+                progress = stage / f".progress-{name}"
                 shutil.rmtree(ckpt, ignore_errors=True)
-                cfg = RunConfig(**{**base.__dict__, "steps": steps, "freeze_cap": cap, "checkpoint_dir": str(ckpt),
-                                   "progress_file": str(progress)})
+                cfg = RunConfig(**{**base.__dict__, "steps": steps, "freeze": method, "freeze_cap": cap,
+                                   "seed": seed, "checkpoint_dir": str(ckpt), "progress_file": str(progress)})
 
                 def poll(task=task, progress=progress) -> None:
                     if progress.exists():
@@ -154,31 +180,54 @@ def run_study(args: argparse.Namespace, caps: list[float], base: RunConfig, step
                 try:
                     summary = launch_job(cfg, args, str(run_dir), poll=poll)
                 except JobFailed as exc:  # leaves the with: the staged study is discarded, --out untouched
-                    console.print(f"pipeplan freeze-study: cap {cap:g}: {exc}; nothing was written to {out}")
+                    console.print(f"pipeplan freeze-study: {name}: {exc}; nothing was written to {out}")
                     raise
                 wall = time.perf_counter() - start
                 bar.update(task, completed=steps)
                 progress.unlink(missing_ok=True)
-                rows.append(study_row(cap, steps * tokens_per_step, run_dir, summary or {}, wall,
-                                      heldout_loss(cfg, ckpt, sched.num_ranks)))
+                row = study_row(cap, steps * tokens_per_step, run_dir, summary or {}, wall,
+                                heldout_loss(cfg, ckpt, sched.num_ranks), first_steady(args))
+                rows.append({**row, "method": method, "seed": seed})
                 shutil.rmtree(ckpt, ignore_errors=True)  # weights evaluated; the run's measurements stay
         shutil.rmtree(stage / "checkpoints", ignore_errors=True)
-        table = pd.DataFrame(rows, columns=COLUMNS)
+        table = with_measured_ratios(pd.DataFrame(rows, columns=COLUMNS))
         atomic_write_text(stage / "freeze_study.csv", table.to_csv(index=False))
         from pipeplan.analysis.freeze_study_plots import loss_curves
 
-        loss_curves({cap: pd.read_csv(stage / f"cap-{cap:g}" / "metrics.csv") for cap in caps}, tokens_per_step,
-                    stage / "loss_curves.png", f"{sched.name} p={sched.num_ranks}: TimelyFreeze caps, {base.data} text")
+        metrics = {(m, c, s): pd.read_csv(stage / run_name(m, c, s) / "metrics.csv") for m, c, s in runs}
+        loss_curves(metrics, tokens_per_step, stage / "loss_curves.png",
+                    f"{sched.name} p={sched.num_ranks}: freezing methods and caps, {base.data} text")
     return table
 
 
-def study_row(cap: float, tokens: int, run_dir: Path, summary: dict, wall_s: float, heldout: float) -> dict:
+def first_steady(args: argparse.Namespace) -> int:
+    return args.freeze_warmup + args.freeze_monitor + args.freeze_ramp
+
+
+def with_measured_ratios(table: pd.DataFrame) -> pd.DataFrame:
+    """measured_cpu_ratio: CPU time per step against the same seed's unfrozen run (method none, else the
+    same method at cap 0, else that method's least cap); prediction_error: predicted_gain over it, minus 1."""
+    out = table.copy()
+    for i, r in table.iterrows():
+        same = table[table["seed"] == r["seed"]]
+        base = same[same["method"] == "none"]
+        if base.empty:
+            mine = same[same["method"] == r["method"]]
+            base = mine[mine["cap"] == mine["cap"].min()]
+        ratio = r["cpu_time_per_step_s"] / float(base["cpu_time_per_step_s"].iloc[0])
+        out.loc[i, "measured_cpu_ratio"] = ratio
+        gain = r["predicted_gain"]
+        out.loc[i, "prediction_error"] = gain / ratio - 1 if gain == gain and gain is not None else None
+    return out
+
+
+def study_row(cap: float, tokens: int, run_dir: Path, summary: dict, wall_s: float, heldout: float,
+              steady_from: int) -> dict:
     import pandas as pd
 
     metrics = pd.read_csv(run_dir / "metrics.csv")
     tail = metrics.tail(max(1, round(FINAL_SHARE * len(metrics))))
-    steady = metrics[metrics["phase"] == "steady"]
-    steady = steady[steady["step"] != metrics["step"].iloc[0]] if len(steady) > 1 else steady
+    steady = metrics[metrics["step"] > steady_from]  # the same steps for every method: after the full cap's first
     return {
         "cap": cap,
         "tokens": tokens,
@@ -223,21 +272,49 @@ def heldout_loss(cfg, ckpt: Path, ranks: int) -> float:
         return float(sum(cross_entropy(model(x), y) for x, y in batches) / len(batches))
 
 
+def summarise(table: pd.DataFrame) -> pd.DataFrame:
+    """Per (method, cap): the mean over seeds and the spread (max - min) of the loss, speed and prediction
+    columns, and whether the point is on the front (no other has both a lower mean held-out loss and a lower
+    mean CPU time per step)."""
+    import pandas as pd
+
+    cols = ["heldout_loss", "final_loss", "cpu_time_per_step_s", "measured_cpu_ratio", "predicted_gain",
+            "prediction_error", "realized_mean_ratio"]
+    g = table.groupby(["method", "cap"], sort=False)[cols]
+    spread = (g.max() - g.min()).add_suffix("_spread")
+    out = pd.concat([g.mean(), spread, g.size().rename("seeds")], axis=1).reset_index()
+    loss, cpu = out["heldout_loss"].to_numpy(), out["cpu_time_per_step_s"].to_numpy()
+    out["on_front"] = [not ((loss < loss[k]) & (cpu < cpu[k])).any() for k in range(len(out))]
+    return out
+
+
+def front_line(summary: pd.DataFrame) -> str:
+    front = summary[summary["on_front"]].sort_values("cpu_time_per_step_s")
+    points = ", ".join(f"{r['method']} cap {r['cap']:g} ({r['heldout_loss']:.3f} at {r['cpu_time_per_step_s']:.3f} "
+                       f"CPU-s/step)" for _, r in front.iterrows())
+    methods = sorted(set(front["method"]))
+    return f"on the front (held-out loss vs CPU time per step, mean over seeds): {', '.join(methods)} — {points}"
+
+
 def print_study(table) -> None:
     import pandas as pd
     from rich.table import Table
 
     from pipeplan.analysis.console import console
 
-    base = table.loc[table["cap"].idxmin()]  # the least-frozen run: the others' reference
-    t = Table(title="freeze study", header_style="bold")
-    for col in ("cap", "final loss", "held-out loss", "step (ms)", f"measured vs cap {base['cap']:g}",
-                "predicted (ms)", "predicted gain", "CPU s/step", "frozen share"):
+    summary = summarise(table)
+    console.print(front_line(summary))
+    t = Table(title="freeze study (mean over seeds, ± half the spread)", header_style="bold")
+    for col in ("method", "cap", "seeds", "held-out loss", "CPU s/step", "measured ratio", "predicted ratio",
+                "pred. error", "frozen share", "front"):
         t.add_column(col, justify="right")
-    for _, r in table.sort_values("cap").iterrows():
-        pred, gain = r["predicted_step_time_s"], r["predicted_gain"]
-        t.add_row(f"{r['cap']:g}", f"{r['final_loss']:.4f}", f"{r['heldout_loss']:.4f}",
-                  f"{r['mean_step_time_s'] * 1e3:.1f}", f"{r['mean_step_time_s'] / base['mean_step_time_s']:.3f}",
-                  "n/a" if pd.isna(pred) else f"{pred * 1e3:.1f}", "n/a" if pd.isna(gain) else f"{gain:.3f}",
-                  f"{r['cpu_time_per_step_s']:.3f}", f"{r['realized_mean_ratio'] or 0:.2f}")
+    def pm(r, col: str, fmt: str) -> str:
+        v, d = r[col], r[f"{col}_spread"]
+        return "n/a" if pd.isna(v) else f"{v:{fmt}} ± {d / 2:{fmt}}"
+
+    for _, r in summary.iterrows():
+        t.add_row(r["method"], f"{r['cap']:g}", str(r["seeds"]), pm(r, "heldout_loss", ".3f"),
+                  pm(r, "cpu_time_per_step_s", ".3f"), pm(r, "measured_cpu_ratio", ".3f"),
+                  pm(r, "predicted_gain", ".3f"), pm(r, "prediction_error", "+.3f"),
+                  f"{r['realized_mean_ratio']:.2f}", "*" if r["on_front"] else "")
     console.print(t)
