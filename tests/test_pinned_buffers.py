@@ -42,3 +42,23 @@ def test_the_executor_gates_each_forward_on_the_copies_of_the_forward_pinned_buf
     assert len(gates) == m  # once per forward, with every earlier forward's copies out (all non-empty)
     assert [len(g) for g in gates] == list(range(m)) and all(n > 0 for g in gates for n in g)
 
+
+
+def test_the_executor_gates_each_split_backward_on_the_stash_copies_pinned_buffers_back(monkeypatch):
+    """ZB-V on one rank with the whole W stash to host: every I (8 of them) sees the stash copies out of the
+    I's before it, all non-empty; the forwards' buffers hold no stash copies."""
+    from tests.test_stash_offload import _zbv_stash_run
+
+    seen: dict[int, list[list[int]]] = {}
+    before = PinnedBuffers.before
+
+    def recording(self):
+        seen.setdefault(id(self), []).append([len(c) for c in self.copied])
+        before(self)
+
+    monkeypatch.setattr(PinnedBuffers, "before", recording)
+    trace, _ = _zbv_stash_run(1.0)
+    assert trace.stash_offloaded_bytes > 0
+    forwards, splits = seen.values()  # forwards come first in the step
+    assert [len(g) for g in forwards] == list(range(8)) and all(n == 0 for g in forwards for n in g)
+    assert [len(g) for g in splits] == list(range(8)) and all(n > 0 for g in splits for n in g)

@@ -167,6 +167,7 @@ class PipelineExecutor:
         self._offloaded = self._prefetched = 0
         self.meters: dict[tuple[int, int], SavedTensors] = {}  # chunk-microbatches with offloaded tensors
         self.buffers = PinnedBuffers()  # the forwards' activation copies out, as the simulator bounds them
+        self.stash_buffers = PinnedBuffers()  # the I's W stash copies out, the same way
         self.stash_bytes: dict[tuple[int, int], tuple[int, int]] = {}  # W stash (device, host) bytes
         self.stash_away: set[tuple[int, int]] = set()  # stashes with host copies not fetched yet
         self._stash_offloaded = self._stash_prefetched = 0
@@ -303,6 +304,8 @@ class PipelineExecutor:
         x, y = self.x.pop(key), self.y.pop(key)
         split = a.kind is Kind.I or self.profile_backward
         store = WeightGradStore()
+        if a.kind is Kind.I:
+            self.stash_buffers.before()
         start = self.clock.mark()
         if y.requires_grad:  # not when stage 0's whole chunk is frozen for this microbatch
             if split:
@@ -331,6 +334,7 @@ class PipelineExecutor:
                 moved = stash_offload.offload(store, self.stash_share[a.stage], self.offload_stream)
                 self._stash_offloaded += moved
                 self.stash_away.add(key)
+            self.stash_buffers.after(stash_offload.copies_out(store))
             self.stash_bytes[key] = (total - moved, moved)
             self._track(end, total - moved, moved)
         if a.stage > 0:
