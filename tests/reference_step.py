@@ -13,7 +13,10 @@ copy engine, each FIFO. Every F's offloaded part is copied out after the F (and 
 forward may not start while more than one earlier copy out is unfinished (two pinned buffers). Every backward's
 part comes back on the h2d engine, asked for when the rank starts the action `lookahead` places before the
 backward (its first action for the first few) or, if later, when the copy out ends; HBM is taken when the copy
-starts and the backward waits for its end. Waiting on copies is stall.
+starts and the backward waits for its end. Waiting on copies is stall. With W stash offload too, every I's
+offloaded stash part is copied out after the I on the same d2h engine (in the rank's order with the
+forwards' copies), an I waits for the stash copy out two I's back, and every W's part comes back on the h2d
+engine under the same issue rule, in one list with the backwards' prefetches.
 """
 
 from __future__ import annotations
@@ -126,34 +129,45 @@ def _peak(actions: list[Action], act, stash) -> float:
 
 
 
-class Offload:
-    """Activation offload on each rank's two FIFO copy engines (module docstring), walked with the ranks."""
+_PRODUCER = {Kind.B: Kind.F, Kind.I: Kind.F, Kind.W: Kind.I}  # a consumer's bytes come from this action
 
-    def __init__(self, sched, act, offloaded, bandwidth: float, lookahead: int):
-        self.act, self.off, self.bw = act, offloaded, bandwidth
+
+class Offload:
+    """Activation (and W stash) offload on each rank's two FIFO copy engines (module docstring), walked with
+    the ranks. `offloaded` and `stash_offloaded` are per chunk and microbatch (None: that kind is not copied);
+    `stash` what an I keeps."""
+
+    def __init__(self, sched, act, offloaded, bandwidth: float, lookahead: int, stash=None, stash_offloaded=None):
+        self.bw, self.act_copies, self.stash_copies = bandwidth, offloaded is not None, stash_offloaded is not None
+        self.keep = {Kind.F: act, Kind.I: stash if stash is not None else 0 * act}
+        self.off = {Kind.F: offloaded, Kind.I: stash_offloaded}
         self.ranks = [list(r) for r in sched.ranks]
         n = len(self.ranks)
         self.pos = {a: k for r in self.ranks for k, a in enumerate(r)}
         self.on_rank = [set(r) for r in self.ranks]
-        self.issues: dict[tuple[int, int], list[Action]] = {}  # (rank, position) -> backwards its start asks for
+        copied = ((Kind.B, Kind.I) if self.act_copies else ()) + ((Kind.W,) if self.stash_copies else ())
+        self.issues: dict[tuple[int, int], list[Action]] = {}  # (rank, position) -> consumers its start asks for
         for r, actions in enumerate(self.ranks):
             for k, a in enumerate(actions):
-                if a.kind in (Kind.B, Kind.I):
+                if a.kind in copied:
                     self.issues.setdefault((r, max(k - lookahead, 0)), []).append(a)
-        self.forwards_run: list[list[Action]] = [[] for _ in range(n)]
-        self.out_end: dict[Action, float] = {}  # F -> its copy out's end
-        self.asked: dict[Action, float] = {}  # B/I -> when its issuer started
-        self.back: dict[Action, tuple[float, float]] = {}  # B/I -> its copy back's (start, end)
+        self.ran: dict[Kind, list[list[Action]]] = {Kind.F: [[] for _ in range(n)], Kind.I: [[] for _ in range(n)]}
+        self.out_end: dict[Action, float] = {}  # producer -> its copy out's end
+        self.asked: dict[Action, float] = {}  # consumer -> when its issuer started
+        self.back: dict[Action, tuple[float, float]] = {}  # consumer -> its copy back's (start, end)
         self.d2h_free, self.h2d_free, self.stall = [0.0] * n, [0.0] * n, [0.0] * n
         self.events: list[list[tuple[float, float]]] = [[] for _ in range(n)]  # per rank: (time, HBM change)
         self.copies: dict[tuple[int, str], list[str]] = {}
 
+    def _copies(self, kind: Kind) -> bool:
+        return (kind is Kind.F and self.act_copies) or (kind is Kind.I and self.stash_copies)
+
     def before(self, r: int, k: int, a: Action, ready: float) -> float:
         """When the rank's k-th action `a` may start, inputs there at `ready`; issues what its start asks for."""
         t = ready
-        if a.kind is Kind.F and len(self.forwards_run[r]) >= 2:
-            t = max(t, self.out_end[self.forwards_run[r][-2]])
-        if a.kind in (Kind.B, Kind.I):
+        if self._copies(a.kind) and len(self.ran[a.kind][r]) >= 2:
+            t = max(t, self.out_end[self.ran[a.kind][r][-2]])
+        if a in self.asked:
             t = max(t, self._granted_until(r, a)[1])
         self.stall[r] += t - ready
         for b in self.issues.get((r, k), ()):
@@ -161,33 +175,41 @@ class Offload:
         return t
 
     def after(self, r: int, a: Action, start: float, end: float) -> None:
+        s = a.stage
         if a.kind is Kind.F:
-            self.events[r].append((start, self.act[a.stage]))
-            self.forwards_run[r].append(a)
+            self.events[r].append((start, self.keep[Kind.F][s]))
+        elif a.kind is Kind.B:
+            self.events[r].append((end, -self.keep[Kind.F][s]))
+        elif a.kind is Kind.I:
+            self.events[r].append((end, self.keep[Kind.I][s] - self.keep[Kind.F][s]))
+        else:
+            self.events[r].append((end, -self.keep[Kind.I][s]))
+        if self._copies(a.kind):
+            self.ran[a.kind][r].append(a)
             begin = max(end, self.d2h_free[r])
-            self.out_end[a] = self.d2h_free[r] = begin + self.off[a.stage] / self.bw
-            self.events[r].append((self.out_end[a], -self.off[a.stage]))
-            self.copies.setdefault((r, "d2h"), []).append(f"offload {a}")
-        elif a.kind in (Kind.B, Kind.I):
-            self.events[r].append((end, -self.act[a.stage]))
+            self.out_end[a] = self.d2h_free[r] = begin + self.off[a.kind][s] / self.bw
+            self.events[r].append((self.out_end[a], -self.off[a.kind][s]))
+            self.copies.setdefault((r, "d2h"), []).append(f"{'offload' if a.kind is Kind.F else 'stash-offload'} {a}")
 
     def _granted_until(self, r: int, b: Action) -> tuple[float, float]:
         """Grant the rank's asked-for copies back in the order they were asked (their copy out done), up to b's."""
         while b not in self.back:
-            own = {x: Action(x.stage, Kind.F, x.microbatch) for x in self.asked if x in self.on_rank[r]}
-            waiting = [(max(self.asked[x], self.out_end[fx]), self.pos[x], x)
-                       for x, fx in own.items() if x not in self.back and fx in self.out_end]
+            own = {x: Action(x.stage, _PRODUCER[x.kind], x.microbatch) for x in self.asked if x in self.on_rank[r]}
+            waiting = [(max(self.asked[x], self.out_end[px]), self.pos[x], x)
+                       for x, px in own.items() if x not in self.back and px in self.out_end]
             asked_at, _, x = min(waiting)
+            nbytes = self.off[_PRODUCER[x.kind]][x.stage]
             begin = max(asked_at, self.h2d_free[r])
-            self.back[x] = (begin, begin + self.off[x.stage] / self.bw)
+            self.back[x] = (begin, begin + nbytes / self.bw)
             self.h2d_free[r] = self.back[x][1]
-            self.events[r].append((begin, self.off[x.stage]))
-            self.copies.setdefault((r, "h2d"), []).append(f"prefetch {x}")
+            self.events[r].append((begin, nbytes))
+            label = "stash-prefetch" if x.kind is Kind.W else "prefetch"
+            self.copies.setdefault((r, "h2d"), []).append(f"{label} {x}")
         return self.back[b]
 
     def peaks(self) -> list[float]:
-        """Per rank: the most HBM its activations held; at equal times, frees come first (a forward held back
-        by a pinned buffer starts as that copy ends and frees it)."""
+        """Per rank: the most HBM its activations and stashes held; at equal times, frees come first (a
+        producer held back by a pinned buffer starts as that copy ends and frees it)."""
         out = []
         for events in self.events:
             live = peak = 0.0

@@ -73,19 +73,25 @@ def test_the_reference_reproduces_a_hand_computed_queue():
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
-@given(steps(), st.integers(0, 2**32 - 1), st.integers(1, 4))
-def test_engine_offload_matches_the_independent_reference(step, seed, lookahead):
-    """Activation offload on the copy engines: pinned buffers, prefetch issue points, FIFO streams."""
-    sched, costs, _ = step
+@given(steps(), st.integers(0, 2**32 - 1), st.integers(1, 4), st.booleans(), st.booleans())
+def test_engine_offload_matches_the_independent_reference(step, seed, lookahead, act_copies, stash_copies):
+    """Activation (and W stash) offload on the copy engines: pinned buffers, prefetch issue points, FIFO
+    streams shared by both kinds."""
+    sched, costs, stash = step
     rng = np.random.default_rng(seed)
     act = costs.activation_bytes
-    off = act * rng.uniform(0.1, 0.9, len(act))
+    stash = stash * 5  # stash copies as long as activation copies, so their pinned buffers bind too
+    off = act * rng.uniform(0.1, 0.9, len(act)) if act_copies else np.zeros(len(act))
+    stash_off = stash * rng.uniform(0.1, 0.9, len(act)) if stash_copies else np.zeros(len(act))
     bandwidth = float(rng.uniform(0.3, 3.0))  # copies from a fraction of a forward to several
-    plan = replace(keep_everything(costs), offload_bytes=off, host_link_bps=bandwidth, prefetch_lookahead=lookahead)
+    plan = replace(keep_everything(costs), offload_bytes=off, host_link_bps=bandwidth, prefetch_lookahead=lookahead,
+                   stash_bytes=stash, stash_offload_bytes=stash_off)
     res = simulate(sched, costs, memory=plan)
-    ref = reference_step(sched, costs.forward_s, costs.backward_input_s, costs.backward_weight_s, act,
-                         np.zeros(len(act)), costs.p2p_s, costs.p2p_blocking,
-                         Offload(sched, act, off, bandwidth, lookahead))
+    assume(off.any() or stash_off.any())
+    copies = Offload(sched, act, off if off.any() else None, bandwidth, lookahead, stash,
+                     stash_off if stash_off.any() else None)
+    ref = reference_step(sched, costs.forward_s, costs.backward_input_s, costs.backward_weight_s, act, stash,
+                         costs.p2p_s, costs.p2p_blocking, copies)
     engine = {f"{s}{kd}{mb}": (b, e) for s, kd, mb, b, e in
               zip(res.stage, res.kind, res.microbatch, res.start_s, res.end_s, strict=True)}
     for a in ref.start:
@@ -93,5 +99,5 @@ def test_engine_offload_matches_the_independent_reference(step, seed, lookahead)
     assert res.makespan_s == pytest.approx(ref.makespan, rel=1e-9, abs=1e-12)
     assert list(res.stall_s) == pytest.approx(ref.stall, rel=1e-9, abs=1e-9)
     assert list(res.peak_hbm_bytes) == pytest.approx(ref.peak_hbm, rel=1e-9, abs=1e-9)
-    order = {key: [f"{what} {x}" for what, x in items] for key, items in res.copy_order().items()}
+    order = {key: [f"{what} {x}" for what, x in items] for key, items in (res.copy_order() or {}).items()}
     assert order == ref.copies

@@ -32,7 +32,7 @@ from pipeplan.runtime.memory import SavedTensors, param_storages
 from pipeplan.runtime.model import cross_entropy
 from pipeplan.runtime.p2p import P2P, Message, input_message
 from pipeplan.runtime.split_backward import WeightGradStore
-from pipeplan.runtime.streams import CopyStream
+from pipeplan.runtime.streams import CopyStream, PinnedBuffers
 from pipeplan.runtime.weight_offload import WeightOffload
 from pipeplan.sim.config import MemoryConfig
 from pipeplan.sim.copy_rules import prefetch_window
@@ -179,6 +179,8 @@ class PipelineExecutor:
         self._activation_log: dict[int, list[int]] = {}
         self._offloaded = self._prefetched = 0
         self.meters: dict[tuple[int, int], SavedTensors] = {}  # chunk-microbatches with offloaded tensors
+        self.buffers = PinnedBuffers()  # the forwards' activation copies out, as the simulator bounds them
+        self.stash_buffers = PinnedBuffers()  # the I's W stash copies out, the same way
         self.stash_bytes: dict[tuple[int, int], tuple[int, int]] = {}  # W stash (device, host) bytes
         self.stash_away: set[tuple[int, int]] = set()  # stashes with host copies not fetched yet
         self._stash_offloaded = self._stash_prefetched = 0
@@ -286,6 +288,7 @@ class PipelineExecutor:
         for p in frozen:
             p.requires_grad_(False)
         meter = SavedTensors(self.param_ptrs[a.stage], self.offload_share[a.stage], self.offload_stream)
+        self.buffers.before()
         start = self.clock.mark()
         try:
             with meter, autocast(self.device, self.autocast_dtype):
@@ -305,6 +308,7 @@ class PipelineExecutor:
         self.saved[key] = (meter.device_bytes, meter.host_bytes)
         self._activation_log.setdefault(a.stage, []).append(meter.device_bytes + meter.host_bytes)
         self._offloaded += meter.host_bytes
+        self.buffers.after(meter.offloaded)
         if meter.offloaded:
             self.meters[key] = meter
         self._track(end, meter.device_bytes, meter.host_bytes)
@@ -317,6 +321,8 @@ class PipelineExecutor:
         x, y = self.x.pop(key), self.y.pop(key)
         split = a.kind is Kind.I or self.profile_backward
         store = WeightGradStore()
+        if a.kind is Kind.I:
+            self.stash_buffers.before()
         start = self.clock.mark()
         if y.requires_grad:  # not when stage 0's whole chunk is frozen for this microbatch
             if split:
@@ -346,6 +352,7 @@ class PipelineExecutor:
                 moved = stash_offload.offload(store, self.stash_share[a.stage], self.offload_stream)
                 self._stash_offloaded += moved
                 self.stash_away.add(key)
+            self.stash_buffers.after(stash_offload.copies_out(store))
             self.stash_bytes[key] = (total - moved, moved)
             self._track(end, total - moved, moved)
         if a.stage > 0:

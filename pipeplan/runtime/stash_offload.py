@@ -41,6 +41,11 @@ def offload(store: WeightGradStore, share: float, stream: CopyStream) -> int:
     return moved
 
 
+def copies_out(store: WeightGradStore) -> list[HostCopy]:
+    """The store's tensors in host memory (its copies out), for the pinned-buffer gate (streams.PinnedBuffers)."""
+    return [t for x, grad_y, _ in store.pending for t in (x, grad_y) if isinstance(t, HostCopy)]
+
+
 def prefetch(store: WeightGradStore) -> int:
     """Issue the copies back for every offloaded tensor not on its way yet, in the order W needs them (it runs
     the queue backwards: WeightGradStore.run); the bytes."""

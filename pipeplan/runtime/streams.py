@@ -16,6 +16,8 @@ from contextlib import contextmanager
 
 import torch
 
+from pipeplan.sim.copy_rules import buffer_gate
+
 
 class CopyStream:
     """A side stream for copies (CUDA) or its inline stand-in (CPU): see the module docstring."""
@@ -111,3 +113,20 @@ class HostCopy:
         CopyStream.wait(self.back_done)
         CopyStream.hand_over(self.back)
         return self.back
+
+
+class PinnedBuffers:
+    """The simulator's bounded pinned buffers (sim.copy_rules.PINNED_BUFFERS): a producer's copies out (an F's
+    offloaded activations) go through a fixed set of host buffers, so the next producer's compute waits for
+    the copies out of the one that many back. On the CPU the copies ran inline and the waits are no-ops."""
+
+    def __init__(self) -> None:
+        self.copied: list[list[HostCopy]] = []  # per producer this step, in order: its copies out
+
+    def before(self) -> None:
+        """Before the next producer runs: make the compute stream wait for the copies that free its buffer."""
+        for h in buffer_gate(self.copied) or ():
+            CopyStream.wait(h.out)
+
+    def after(self, copies: list[HostCopy]) -> None:
+        self.copied.append(copies)

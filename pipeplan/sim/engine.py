@@ -129,7 +129,6 @@ class _StepSimulation:
         self.finished: list[int] = []
         self.links = Links(costs.p2p_s)
         self.hbm, self.residency, self.offloads = self._memory(n_ranks)
-        self.step_tail = costs.step_tail_s.tolist() if costs.step_tail_s is not None else [0.0] * n_ranks
 
     def _durations(self, overrides: Mapping[Action, float]) -> list[float]:
         """Per node: the override (an action's whole duration: a freeze plan's includes any recomputation), or
@@ -231,11 +230,13 @@ class _StepSimulation:
         """After each rank's last action: its DP reduction and optimizer step (costs.step_tail_s) and their
         memory (Residency.optimizer_step). Returns when the last rank's step ends (SimResult.step_time_s; the
         pipeline's makespan, which the freeze planner reproduces, excludes it) and each rank's span."""
+        n_ranks = self.sched.num_ranks
+        tail = self.costs.step_tail_s.tolist() if self.costs.step_tail_s is not None else [0.0] * n_ranks
         done, span = 0.0, []
-        for r in range(self.sched.num_ranks):
+        for r in range(n_ranks):
             slots = self.st.rank_nodes(r)
             last = max((self.end[i] for i in slots), default=0.0)
-            end = last + self.step_tail[r]
+            end = last + tail[r]
             span.append(end - min((self.start[i] for i in slots), default=0.0))
             self.residency.optimizer_step(self.hbm, r, last, end)
             done = max(done, end)

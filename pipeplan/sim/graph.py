@@ -22,6 +22,9 @@ activation; B or I (s, mb) consumes its own F(s, mb) and the input gradient of t
                     (solver/freeze_dag.py) is this graph plus freezable durations; the memory MILP writes its
                     precedence rows over these edges; sim/dag.py turns it into networkx for a longest path.
 
+The copy engines' own rules (stream and copy-kind names, the pinned-buffer depth, the prefetch issue point)
+are named in sim/copy_rules.py; the builders here read them as the engine does.
+
 Adding a kind of node is one builder: a `NodeKind` and a function that takes a `GraphBuilder` and adds its
 nodes with their durations (`add_node(kind, key, seconds)`) and its edges, as `add_links` and
 `add_activation_copies` do; work that just follows an action (a data-parallel gradient bucket, an optimizer

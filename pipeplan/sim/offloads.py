@@ -69,6 +69,23 @@ class WeightShuttle:
                 self.issue.setdefault(w.issuer, []).append((w.next_use, w.chunk))
 
 
+class Prefetches:
+    """Which node's start issues each consumer's prefetch (sim.graph.prefetch_issuer: B/I for activations, W
+    for its stash), and how each prefetch is going."""
+
+    def __init__(self, schedule: Schedule, mem: MemoryPlan):
+        issuer = prefetch_issuer(schedule, mem.prefetch_lookahead) if mem.offloads else {}  # B/I -> node
+        if mem.offloads_stash:  # W -> the node whose start issues its stash prefetch
+            issuer.update(prefetch_issuer(schedule, mem.prefetch_lookahead, STASH_KINDS))
+        self.issuer = issuer
+        self.issues: dict[int, list[int]] = {}  # node -> the B/I and W prefetches its start issues, in rank order
+        for b, at in sorted(issuer.items()):
+            self.issues.setdefault(at, []).append(b)
+        self.done: dict[int, simpy.Event] = {}  # consumer -> its bytes are back in HBM
+        self.granted: dict[int, simpy.Event] = {}  # layer-wise consumer -> its prefetch has started
+        self.span: dict[int, tuple[float, float]] = {}  # consumer -> its prefetch's (start, end)
+
+
 class Offloads:
     """The copies a memory plan makes during the step, and the waits they impose on the ranks."""
 
@@ -82,16 +99,7 @@ class Offloads:
         self.copying = mem.offloads or mem.offloads_weights or mem.offloads_stash  # may an action wait on a copy
         self.stall = [0.0] * n_ranks  # per rank: time waited on copies
         self.flavors = self._flavors(n_ranks)  # producer kind -> Flavor
-        issuer = prefetch_issuer(schedule, mem.prefetch_lookahead) if mem.offloads else {}  # B/I -> node
-        if mem.offloads_stash:  # W -> the node whose start issues its stash prefetch
-            issuer.update(prefetch_issuer(schedule, mem.prefetch_lookahead, STASH_KINDS))
-        self.issuer = issuer
-        self.issues: dict[int, list[int]] = {}  # node -> the B/I and W prefetches its start issues, in rank order
-        for b, at in sorted(issuer.items()):
-            self.issues.setdefault(at, []).append(b)
-        self.prefetched: dict[int, simpy.Event] = {}  # consumer -> its bytes are back in HBM
-        self.granted: dict[int, simpy.Event] = {}  # layer-wise consumer -> its prefetch has started
-        self.fetch_span: dict[int, tuple[float, float]] = {}  # consumer -> its prefetch's (start, end)
+        self.fetches = Prefetches(schedule, mem)
         self.side_chains = side_chains(schedule, mem)  # work that follows an action off the compute stream
         self.layered = any(lc is not None for fl in self.flavors.values() for lc in fl.layered)  # copies out at start
         self.follows = bool(self.flavors or self.side_chains or weights.release)  # something may follow an action
@@ -128,11 +136,11 @@ class Offloads:
         own = self.flavors.get(kind)
         g = buffer_gate(own.ran[rank]) if own is not None else None
         gate = own.done[g] if g is not None else None
-        fetched = i in self.issuer  # a B/I with activation offload, a W with stash offload
-        if fetched and i not in self.prefetched:
-            self._issue(rank, self.issuer[i])
+        fetched = i in self.fetches.issuer  # a B/I with activation offload, a W with stash offload
+        if fetched and i not in self.fetches.done:
+            self._issue(rank, self.fetches.issuer[i])
         layered = self._consumed(kind).layered[self.st.actions[i].stage] if fetched else None
-        whole = self.prefetched.get(i) if fetched and layered is None else None
+        whole = self.fetches.done.get(i) if fetched and layered is None else None
         for event in (gate, whole, self.weights.back.get(i)):
             if event is not None:
                 yield from self._wait(event, rank, ready)
@@ -173,10 +181,10 @@ class Offloads:
     def _layered_start(self, i: int, rank: int, ready: float, lc: LayerCopy) -> Generator:
         """A layer-wise consumer starts once its prefetch has, as early as its first and last pieces allow."""
         env = self.env
-        if i not in self.fetch_span:
-            self.granted[i] = env.event()
-            yield self.granted[i]
-        (p0, p1), dur = self.fetch_span[i], self.duration[i]
+        if i not in self.fetches.span:
+            self.fetches.granted[i] = env.event()
+            yield self.fetches.granted[i]
+        (p0, p1), dur = self.fetches.span[i], self.duration[i]
         after_start, after_end = lc.in_offsets(action_recompute_s(self.mem, self.st.actions[i]), dur)
         begin = max(env.now, p0 + after_start, p1 + after_end)
         self.stall[rank] += begin - ready
@@ -193,9 +201,9 @@ class Offloads:
             if use not in self.weights.back:
                 self.weights.back[use] = self.env.event()
                 self.env.process(self._fetch_weights(use, chunk, rank))
-        for b in self.issues.get(i, ()):
-            if b not in self.prefetched:
-                self.prefetched[b] = self.env.event()
+        for b in self.fetches.issues.get(i, ()):
+            if b not in self.fetches.done:
+                self.fetches.done[b] = self.env.event()
                 self.env.process(self._prefetch(b, rank))
 
     def _copy_after(self, i: int, rank: int, fl: Flavor) -> None:
@@ -232,9 +240,9 @@ class Offloads:
         yield fl.done[producer]
 
         def granted() -> None:
-            self.fetch_span[user] = (env.now, env.now + (seconds if nbytes > 0 else 0.0))
-            if user in self.granted:
-                self.granted[user].succeed()
+            self.fetches.span[user] = (env.now, env.now + (seconds if nbytes > 0 else 0.0))
+            if user in self.fetches.granted:
+                self.fetches.granted[user].succeed()
             if nbytes > 0:
                 self.hbm.allocate(rank, nbytes, env.now, self.st.actions[owner])
 
@@ -242,7 +250,7 @@ class Offloads:
                                      on_grant=granted)
         if nbytes > 0:
             self.hbm.host.move(rank, fl.nvme[a.stage], -nbytes)
-        self.prefetched[user].succeed()
+        self.fetches.done[user].succeed()
 
     def _fetch_weights(self, use: int, chunk: int, rank: int) -> Generator:
         """Before `use`: bring the chunk's weights back (FIFO on the h2d engine), HBM allocated when it starts."""

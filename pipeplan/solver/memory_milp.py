@@ -84,7 +84,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeplan.sim.config import FreezeConfig, Scenario
-from pipeplan.sim.copy_rules import buffer_gate
+from pipeplan.sim.copy_rules import PINNED_BUFFERS
 from pipeplan.sim.costs import CostTable, per_rank_sum
 from pipeplan.sim.engine import SimResult, simulate
 from pipeplan.sim.graph import (
@@ -259,7 +259,7 @@ def _whole_per_chunk(held: dict, key: tuple[int, int], recent: list, users: list
     offloaded: the current action's, the last two copied out (possibly unfinished), and those whose user (a
     position in `users`) lies within `lookahead` actions, already prefetched."""
     whole = {key} if key in held else set()
-    whole.update(x for x in recent[-2:] if x in held)
+    whole.update(x for x in recent[-PINNED_BUFFERS:] if x in held)  # their copies out may be unfinished
     whole.update((actions[j].stage, actions[j].microbatch) for j in users if k < j <= k + lookahead)
     vec = np.zeros(n_chunks)
     for s, _mb in whole & set(held):
@@ -628,9 +628,8 @@ def _copy_rows(rows: _Rows, lp: LinearProgram, col: _Columns, ch: _Chunks, dag: 
             if j >= 1:
                 rows.add(0, np.inf, [e[i], e[chain[j - 1]], *cols], [1, -1, *vals])
             same = seen[dag.actions[i].kind]
-            gate = buffer_gate(same)  # bounded pinned buffers (sim.copy_rules.PINNED_BUFFERS)
-            if gate is not None:
-                rows.add(0, np.inf, [s[i], e[gate]], [1, -1])
+            if len(same) >= PINNED_BUFFERS:  # bounded pinned buffers: that copy of the same kind back has ended
+                rows.add(0, np.inf, [s[i], e[same[-PINNED_BUFFERS]]], [1, -1])
             same.append(i)
     h2d = [(ahead, 1, ib, dag.actions[ib].stage) for ib, ahead in prefetch_issuer(dag.schedule, lookahead).items()]
     if stash:
