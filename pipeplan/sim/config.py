@@ -167,6 +167,12 @@ class TrainingConfig(_Section):
     and inf/NaN check afterwards, rolling back if needed, so the next step starts per rank and consecutive
     steps overlap across ranks. The step time becomes the longest rank's own span (SimResult.step_time_s).
     false: Megatron-LM's all-reduce of those checks across the pipeline ends every step on every rank."""
+    framework: Literal["megatron", "deepspeed", "torch"] = "megatron"
+    """Whose mixed-precision optimizer holds the model states (sim/cost_model.state_bytes_per_param cites each):
+    megatron (fp32 main_grad beside the 16-bit weights; parallel.zero 1 is the distributed optimizer) |
+    deepspeed (bf16 with ZeRO 0-1: the BF16_Optimizer wrapper, which keeps the bf16 grads beside a full fp32
+    gradient accumulation buffer; otherwise the ZeRO optimizer or FP16_Optimizer, 16-bit grads) | torch
+    (autocast: fp32 parameters are the master copy, no 16-bit copy; FSDP2 with parallel.zero 3)."""
     optimizer_impl: Literal["fused", "foreach"] = "fused"
     """fused: one kernel per tensor group, no temporaries (Apex/TE FusedAdam in Megatron, torch fused AdamW);
     foreach: torch's multi-tensor Adam, which allocates one fp32 temporary per parameter during the step."""
@@ -280,6 +286,8 @@ class DeviceConfig(_Section):
     gemm_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
     """The curve's large-GEMM asymptote: the one calibration per device (`pipeplan profile` measures it)."""
     attention_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
+    fp8_gemm_ratio: Annotated[float, Field(gt=0, le=1)] | None = None
+    """An FP8 GEMM's share of the FP8 peak over a bf16 GEMM's share of the bf16 peak (sim/devices.toml)."""
     hbm_gib: Pos | None = None
     hbm_gbps: Pos | None = None
     sm_count: PosInt | None = None
