@@ -140,7 +140,7 @@ class Setting:
     @property
     def gpus(self) -> int:
         par = self.scenario.parallel
-        return self.scenario.pipeline.stages * par.tp * par.dp
+        return self.scenario.pipeline.stages * par.tp * par.dp * par.cp
 
     @property
     def samples_per_step(self) -> int:

@@ -200,6 +200,15 @@ class TrainingConfig(_Section):
 class ParallelConfig(_Section):
     tp: PosInt = 1
     dp: PosInt = 1
+    cp: PosInt = 1
+    """Context parallelism: each sequence split over cp ranks (load-balanced causal chunks), attention exchanging
+    K and V among them (sim/context_parallel.py). GPUs = stages x tp x dp x cp; the cp ranks share weights,
+    so gradients reduce and ZeRO/FSDP shards over dp x cp. Needs flash attention and seq_len divisible by 2 cp."""
+    cp_comm: Literal["p2p-ring", "all-gather"] = "p2p-ring"
+    """How K and V move between context-parallel ranks. p2p-ring: Megatron-Core / Transformer Engine's ring of
+    send/recv, each step's transfer overlapped with the previous chunk's attention. all-gather: torch's
+    context_parallel as torchtitan ran it in 2024 (rotate method ALL_GATHER), one all-gather overlapped with
+    the local chunk only, the K/V gradients reduce-scattered in fp32 after the backward."""
     sequence_parallel: bool = True
     """With tp > 1, shard norm/residual activations over TP too (Korthikanti et al. 2022)."""
     zero: Literal[0, 1, 2, 3] = 0

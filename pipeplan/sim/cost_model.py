@@ -251,6 +251,8 @@ def p2p_transfer_s(sc: Scenario, links: Links) -> float:
 
 def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     """Resolve a model-derived scenario into per-chunk costs."""
+    # a context-parallel rank is the seq_len / cp scenario, corrected: sim.costs asks sim/context_parallel.py
+    assert sc.parallel.cp == 1, "parallel.cp > 1 resolves through sim.context_parallel.context_parallel_costs"
     m, tr, t = sc.model, sc.training, sc.parallel.tp
     assert m is not None
     dev = sc.device.resolved()

@@ -257,6 +257,11 @@ def _attention_s(sc: Scenario, dev: DeviceSpec) -> tuple[float, float]:
     return gemms_f + memory_bound_s(softmax_f, dev), 2 * gemms_f + memory_bound_s(softmax_b, dev)
 
 
+def attention_core_s(sc: Scenario, dev: DeviceSpec) -> tuple[float, float]:
+    """(forward, backward-input) time of one layer's attention core on one TP rank (sim/context_parallel.py)."""
+    return _attention_s(sc, dev)
+
+
 def layer_times(sc: Scenario, dev: DeviceSpec, tp: Link) -> LayerTimes:
     tr = sc.training
     float8 = tr.float8_linears or tr.dtype == "fp8"
