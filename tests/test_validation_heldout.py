@@ -23,7 +23,8 @@ HELDOUT_CSV = VALIDATION_DIR / "heldout.csv"
 # memory 6.37%, throughput 6.64%, ratio 5.53%, measured at the FSDP-under-PP memory fix of 2026-12-01; throughput
 # and ratio were 10.56% and 9.45% before ZeRO-3's parameter traffic bounded its passes), rounded up to the next
 # whole percent. Issue #41 added torchtitan's context-parallel rows (6 throughput, 6 memory; 8.7% / 36.8% mean on
-# their source): memory 6.71%, throughput 10.03%, ratio 5.53% with them.
+# their source) and Megatron-Bridge's DGX-H100 rows (2 throughput, 2 oom): memory 6.71%, throughput 10.03%,
+# ratio 5.53% with them.
 RECORDED_MEAN_BOUND = {"memory": 0.07, "throughput": 0.11, "ratio": 0.06}
 
 
@@ -64,14 +65,15 @@ def _setting(f) -> dict:
 
 def test_the_set_is_separate_from_the_shipped_one(figures, shipped):
     """Every held-out row names a scenario next to it and a citation; no scored row repeats a shipped figure."""
-    assert len(figures) == 165 + 12  # + the context-parallel rows of torchtitan Tables 2 and 6 (issue #41)
+    assert len(figures) == 165 + 12 + 4  # + torchtitan's context-parallel rows and Megatron-Bridge's (issue #41)
     for f in figures:
         assert f.citation and f.table, f.case
         if f.ratio_of is None:
             assert (VALIDATION_DIR / f.scenario).is_file(), f.scenario
     tables = {(f.source, f.table) for f in figures}
     assert tables == {("zerobubble2024", "Table 7"), ("zerobubble2024", "Table 8"), ("zerobubble2024", "Table 9"),
-                      ("narayanan2021", "Table 2"), ("torchtitan2024", "Table 2"), ("torchtitan2024", "Table 6")}
+                      ("narayanan2021", "Table 2"), ("torchtitan2024", "Table 2"), ("torchtitan2024", "Table 6"),
+                      ("megatronbridge2025", "25.11 DGX-H100")}
     shipped_tables = {(s.source, s.table) for s in shipped.values()}
     assert not tables & shipped_tables
 
@@ -188,10 +190,26 @@ def test_torchtitan_context_parallel_rows(figures):
         assert raw["parallel"]["cp_comm"] == "all-gather"
 
 
+def test_megatron_bridge_rows_hold_the_printed_gpus_and_batch(figures):
+    """Megatron-Bridge's DGX-H100 table: #GPUs = TP x PP x CP x DP and GBS = DP x MBS x microbatches, as printed
+    (70B: 64 GPUs, GBS 128, TP 4, PP 8, VP 5; 405B: 1024 GPUs, GBS 512, TP 8, PP 8, CP 2, VP 8)."""
+    printed = {"megatronbridge-llama3-70b-h100.toml": (64, 128, 4, 8, 1, 5),
+               "megatronbridge-llama3.1-405b-h100.toml": (1024, 512, 8, 8, 2, 8)}
+    rows = [f for f in figures if f.source == "megatronbridge2025"]
+    assert len(rows) == 4 and {f.scenario for f in rows} == set(printed)
+    for f in rows:
+        raw = _setting(f)
+        gpus, gbs, tp, pp, cp, vp = printed[f.scenario]
+        par, pipe = raw["parallel"], raw["pipeline"]
+        assert (par["tp"], pipe["stages"], par.get("cp", 1), pipe["virtual_stages"]) == (tp, pp, cp, vp)
+        assert par["tp"] * pipe["stages"] * par.get("cp", 1) * par["dp"] == gpus
+        assert par["dp"] * raw["training"]["micro_batch_size"] * pipe["microbatches"] == gbs
+
+
 # ---- the regression guard ------------------------------------------------------------------------------------
 
 def test_every_scored_held_out_row_is_predicted(predictions):
-    assert_every_scored_row_predicted(predictions, 50 + 66 + 33)
+    assert_every_scored_row_predicted(predictions, 50 + 68 + 33 + 2)  # memory, throughput, ratio, oom
 
 
 @pytest.mark.parametrize("metric", ["memory", "throughput", "ratio"])
