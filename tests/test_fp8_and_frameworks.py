@@ -109,3 +109,22 @@ def test_device_without_fp8_ratio_defaults_to_one():
     spec = DeviceSpec.from_resolved({"peak_tflops": 1.0, "hbm_gbps": 1.0, "sm_count": 1, "gemm_efficiency": 0.5,
                                      "attention_efficiency": 0.5, "fp8_tflops": 2.0}, None)
     assert spec.fp8().gemm_efficiency == 0.5 and spec.fp8().peak_flops == 2e12
+
+
+def test_transformer_engine_keeps_fp8_copies_of_the_linear_inputs():
+    """TE's Linear saves its quantized input (1 byte): the two norm outputs (QKV, MLP-up inputs) and the down
+    projection's input lose e - 1 bytes per element; the out-proj adds a 1-byte copy of the attention output."""
+    from pipeplan.sim.activations import layer_memory
+
+    tp = {"tp": 4, "dp": 1}
+    bf16, fp8 = layer_memory(llama(parallel=tp)), layer_memory(llama(training={"dtype": "fp8"}, parallel=tp))
+    sb = S * B
+    expected = -1 * sb * (2 * H / 4 + F / 4) + 1 * sb * H / 4  # sequence parallel: the norm outputs shard too
+    assert fp8.activation - bf16.activation == pytest.approx(expected)
+
+
+def test_gradients_reduced_in_the_training_dtype():
+    """Megatron-Core with ddp.grad_reduce_in_fp32 = False keeps main_grad in bf16: 2 bytes instead of 4."""
+    kw = {"parallel": {"dp": 8, "zero": 1}}
+    assert state_bytes_per_param(llama(training={"grad_reduce_in_fp32": False}, **kw))["gradients"] == 2
+    assert state_bytes_per_param(llama(**kw))["gradients"] == 4

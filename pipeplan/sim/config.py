@@ -173,6 +173,10 @@ class TrainingConfig(_Section):
     deepspeed (bf16 with ZeRO 0-1: the BF16_Optimizer wrapper, which keeps the bf16 grads beside a full fp32
     gradient accumulation buffer; otherwise the ZeRO optimizer or FP16_Optimizer, 16-bit grads) | torch
     (autocast: fp32 parameters are the master copy, no 16-bit copy; FSDP2 with parallel.zero 3)."""
+    grad_reduce_in_fp32: bool = True
+    """Megatron-Core's gradient buffer (main_grad) and its data-parallel reduction in fp32 (the default); false:
+    in the training dtype, 2 bytes per parameter instead of 4 (`ddp.grad_reduce_in_fp32 = False`, which
+    Megatron-Bridge's Llama3 performance recipes set). Framework megatron, ZeRO 0-2."""
     optimizer_impl: Literal["fused", "foreach"] = "fused"
     """fused: one kernel per tensor group, no temporaries (Apex/TE FusedAdam in Megatron, torch fused AdamW);
     foreach: torch's multi-tensor Adam, which allocates one fp32 temporary per parameter during the step."""

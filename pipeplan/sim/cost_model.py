@@ -112,6 +112,8 @@ def state_bytes_per_param(sc: Scenario) -> dict[str, float]:
         "master_weights": (4 if mixed else 0) / (dp if zero >= 1 else 1),
         "optimizer": {"adam": 8, "sgd": 4}[tr.optimizer] / (dp if zero >= 1 else 1),  # Adam m, v; momentum
     }
+    if mixed and tr.framework == "megatron" and zero < 3 and not tr.grad_reduce_in_fp32:
+        parts["gradients"] = e / (dp if zero >= 2 else 1)  # main_grad in the training dtype
     if mixed and tr.framework != "megatron":
         parts.update(_framework_state_bytes(sc, zero, e))
     if zero == 3 and dp > 1 and sc.pipeline.stages > 1 and tr.framework != "deepspeed":
