@@ -84,3 +84,15 @@ def test_cp_group_within_a_node_while_tp_times_cp_fits():
 def test_bad_context_parallel_settings_name_the_field(kwargs, match):
     with pytest.raises(ScenarioError, match=match):
         build_cost_table(llama(**kwargs))
+
+
+def test_model_flops_count_the_other_ranks_keys():
+    """A CP rank's model FLOPs per microbatch: the local scenario's plus (cp - 1) local attention cores a layer,
+    forward and the flash backward's 2.5x, on each of the tp ranks."""
+    from pipeplan.sim.layer_ops import FLASH_BACKWARD, layer_flops
+
+    sc = llama(seq=4 * S, cp=4, dp=1)
+    local = local_scenario(sc)
+    extra = 2 * 8 * 3 * layer_flops(local).attention_forward * (1 + FLASH_BACKWARD)  # tp 2, 8 layers, cp - 1
+    assert build_cost_table(sc).flops_per_microbatch == pytest.approx(
+        build_cost_table(local).flops_per_microbatch + extra)

@@ -32,7 +32,7 @@ from pipeplan.sim.comm import Link, Links, all_gather_s, build_links
 from pipeplan.sim.config import Scenario
 from pipeplan.sim.cost_model import ChunkCosts, device_spec, model_chunk_costs
 from pipeplan.sim.errors import ScenarioError
-from pipeplan.sim.layer_ops import attention_core_s
+from pipeplan.sim.layer_ops import FLASH_BACKWARD, attention_core_s, layer_flops
 from pipeplan.sim.roofline import DeviceSpec
 
 FP32_BYTES = 4  # torch's context_parallel upcasts the K/V gradients before reducing them (convert_to_f32)
@@ -104,6 +104,9 @@ def context_parallel_costs(sc: Scenario) -> ChunkCosts:
     attn_f, attn_i = attention_extra_s(local, dev, sc.parallel.cp)
     comm_f, comm_i = kv_exchange_s(sc, local, dev, build_links(sc, sc.device.resolved()))
     layers = costs.detail.layers
+    # the model FLOPs of the other ranks' keys too (MFU): (cp - 1) local attention cores, forward and backward
+    assert sc.model is not None
+    extra_flops = sc.parallel.tp * sc.model.layers * (sc.parallel.cp - 1) * layer_flops(local).attention_forward
     detail = replace(costs.detail,
                      layer_forward_s=costs.detail.layer_forward_s + attn_f + comm_f,
                      attention_forward_s=costs.detail.attention_forward_s + attn_f + comm_f,
@@ -112,4 +115,5 @@ def context_parallel_costs(sc: Scenario) -> ChunkCosts:
     return replace(costs,
                    forward_s=costs.forward_s + layers * (attn_f + comm_f),
                    backward_input_s=costs.backward_input_s + layers * (attn_i + comm_i),
+                   flops_per_microbatch=costs.flops_per_microbatch + extra_flops * (1 + FLASH_BACKWARD),
                    detail=detail)
