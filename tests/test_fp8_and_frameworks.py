@@ -128,3 +128,11 @@ def test_gradients_reduced_in_the_training_dtype():
     kw = {"parallel": {"dp": 8, "zero": 1}}
     assert state_bytes_per_param(llama(training={"grad_reduce_in_fp32": False}, **kw))["gradients"] == 2
     assert state_bytes_per_param(llama(**kw))["gradients"] == 4
+
+
+def test_transformer_engine_current_scaling_adds_an_amax_pass():
+    delayed = _float8_cast_kernels(llama(training={"dtype": "fp8"}))
+    current = _float8_cast_kernels(llama(training={"dtype": "fp8", "fp8_recipe": "current"}))
+    x_elems = B * S * (H + H + H + F)
+    assert sum(current[0]) - sum(delayed[0]) == pytest.approx(2 * x_elems)  # one read of each bf16 input
+    assert len(current[0]) == 3 * len(delayed[0])  # amax, scale and cast kernels

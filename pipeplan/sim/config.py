@@ -173,6 +173,10 @@ class TrainingConfig(_Section):
     deepspeed (bf16 with ZeRO 0-1: the BF16_Optimizer wrapper, which keeps the bf16 grads beside a full fp32
     gradient accumulation buffer; otherwise the ZeRO optimizer or FP16_Optimizer, 16-bit grads) | torch
     (autocast: fp32 parameters are the master copy, no 16-bit copy; FSDP2 with parallel.zero 3)."""
+    fp8_recipe: Literal["delayed", "current"] = "delayed"
+    """Transformer Engine's FP8 scaling (training.dtype = "fp8"): delayed (DelayedScaling: the scale from the amax
+    history, the new amax recorded inside the cast) | current (Float8CurrentScaling, NeMo's "FP8-CS": each
+    tensor's own amax, a reduction pass before its cast)."""
     grad_reduce_in_fp32: bool = True
     """Megatron-Core's gradient buffer (main_grad) and its data-parallel reduction in fp32 (the default); false:
     in the training dtype, 2 bytes per parameter instead of 4 (`ddp.grad_reduce_in_fp32 = False`, which

@@ -171,6 +171,9 @@ def _float8_cast_kernels(sc: Scenario) -> tuple[list[float], list[float], list[f
     docs, "Using FP8 with Transformer Engine": delayed scaling), so each activation costs one cast (read e,
     write the fp8 copy and its transpose, 2 bytes); the weights' fp8 copies are made on a step's first
     microbatch and reused by the others (TE modules' `is_first_microbatch`), so none per microbatch here.
+    Current scaling (`training.fp8_recipe = "current"`, TE's Float8CurrentScaling recipe, common/recipe/
+    __init__.py: per-tensor current amax) first reduces each activation to its amax (reads e bytes per element,
+    then a one-element scale kernel) before the same cast.
     Each kernel costs at least KERNEL_FLOOR_S (roofline.kernels_s)."""
     e = DTYPE_BYTES[sc.training.dtype]
     f: list[float] = []
@@ -180,8 +183,8 @@ def _float8_cast_kernels(sc: Scenario) -> tuple[list[float], list[float], list[f
     for mm, n, k in _gemms(sc):
         x, w, dy = mm * k, k * n, mm * n  # elements of X, W and dY
         if te:
-            f.append((e + 2) * x)
-            i.append((e + 2) * dy)
+            for act, out in ((x, f), (dy, i)):  # current scaling: an amax pass (two stages) before the cast
+                out += [e * act, 0.0, (e + 2) * act] if sc.training.fp8_recipe == "current" else [(e + 2) * act]
             continue
         for act, out in ((x, f), (dy, i)):
             out += [0.0 if fused_amax else e * act, 0.0, (e + 2) * act]  # amax stage 1 and 2, the cast
