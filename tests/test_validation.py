@@ -146,7 +146,8 @@ def test_validate_writes_csv_and_plot(tmp_path):
     part.to_csv(tmp_path / "published.csv", index=False)
     out = tmp_path / "val"
     assert main(["validate", "--published", str(tmp_path / "published.csv"), "--out", str(out)]) == 0
-    assert {p.name for p in out.iterdir()} == {"validation.csv", "parity.png", "pipeplan.json"}
+    assert {p.name for p in out.iterdir()} == {"validation.csv", "ranking.csv", "fits.csv", "parity.png",
+                                               "pipeplan.json"}
     df = pd.read_csv(out / "validation.csv")
     assert tuple(df.columns) == OUTPUT_COLUMNS
     assert len(df) == (part["scored"] == "true").sum()

@@ -24,11 +24,12 @@ from tests.validation_guard import assert_every_scored_row_predicted, assert_mea
 PRODUCTION_CSV = VALIDATION_DIR / "production.csv"
 
 # Mean |relative error| per metric measured on production.csv (docs/validation.md, "Production runs"), rounded up
-# to the next whole percent (measured: memory 33.61%, time 19.67%, ratio 2.83%). A guard against unnoticed
+# to the next whole percent (measured: memory 21.19% since BLOOM runs DeepSpeed's BF16_Optimizer, issue #41, was
+# 33.61%; time 19.67%, ratio 2.83%). A guard against unnoticed
 # regressions, not a target: issue #12's targets are not met here (docs/validation.md). The time guard has little
 # headroom by design (0.33 points: a change that slows these A100 pipelines by ~0.4% trips it); when a
 # modelling change moves it, re-measure and re-round rather than loosen it in advance.
-RECORDED_MEAN_BOUND = {"memory": 0.34, "time": 0.20, "ratio": 0.03}
+RECORDED_MEAN_BOUND = {"memory": 0.22, "time": 0.20, "ratio": 0.03}
 
 # BLOOM's log line at iteration 85376 (train/tr11-176B-ml/README.md, "Important checkpoints"), as printed.
 BLOOM_SAMPLES_PER_S = 19.561

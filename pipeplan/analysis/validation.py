@@ -10,6 +10,11 @@ overrides that pick the case (`key=value;key=value`, TOML values, as `--set`). A
                 formula, or MFU/HFU
     ratio       between two other rows of the same source (`ratio_of = "numerator case|denominator case"`),
                 e.g. ZB-2p / 1F1B throughput at one model size; predicted as the ratio of their predictions
+    oom         whether the setting ran out of memory (published `true` / `false`); predicted by the simulated
+                step's peak HBM against the device's capacity less the scenario's memory.hbm_margin_gib
+
+An optional `group` column names rows that compare with each other (one table, one model, one GPU count):
+validation_ranking.py ranks each group's time or throughput rows and tabulates the oom rows.
 
 Each setting is simulated once (rows that share a scenario and overrides share the step). A row whose
 scenario does not load on this build (a key it does not know yet) is reported with the loader's message
@@ -38,8 +43,10 @@ VALIDATION_DIR = SCENARIO_DIR / "validation"
 PUBLISHED_CSV = VALIDATION_DIR / "published.csv"
 COLUMNS = ("source", "table", "case", "metric", "quantity", "published", "unit", "scenario", "overrides",
            "ratio_of", "scored", "citation", "notes")
-OUTPUT_COLUMNS = ("source", "table", "case", "metric", "published", "predicted", "rel_error")
-METRICS = ("memory", "time", "throughput", "ratio")
+OPTIONAL_COLUMNS = ("group",)  # older sets without it load with every row ungrouped
+OUTPUT_COLUMNS = ("source", "table", "case", "metric", "published", "predicted", "rel_error", "group")
+METRICS = ("memory", "time", "throughput", "ratio")  # the metrics with a relative error
+FIT_METRIC = "oom"  # ran out of memory or not: a confusion table, not an error (validation_ranking.py)
 
 # Issue #12's targets, as (mean |error|, max |error|) per metric; None: no bound on the maximum.
 TARGETS: dict[str, tuple[float, float | None]] = {
@@ -68,6 +75,7 @@ class PublishedFigure:
     citation: str = ""
     notes: str = ""
     calibration: bool = False  # an anchor of its device's calibration (scored = calibration): not validation
+    group: str = ""  # rows comparable with each other (ranking); empty: in no group
 
     @property
     def setting(self) -> tuple[str, tuple[tuple[str, str], ...]]:
@@ -83,7 +91,7 @@ class Prediction:
 
     @property
     def rel_error(self) -> float | None:
-        if self.predicted is None:
+        if self.predicted is None or self.figure.metric == FIT_METRIC:
             return None
         return (self.predicted - self.figure.published) / self.figure.published
 
@@ -124,9 +132,16 @@ class Setting:
         return float(getattr(res, "step_time_s", res.makespan_s))
 
     @property
+    def fits(self) -> bool:
+        """Does the simulated step fit HBM less the scenario's margin (sim.trace.hbm_fit, what `simulate` says)?"""
+        from pipeplan.sim.trace import hbm_fit
+
+        return hbm_fit(self.result).fits
+
+    @property
     def gpus(self) -> int:
         par = self.scenario.parallel
-        return self.scenario.pipeline.stages * par.tp * par.dp
+        return self.scenario.pipeline.stages * par.tp * par.dp * par.cp
 
     @property
     def samples_per_step(self) -> int:
@@ -212,6 +227,7 @@ QUANTITIES: dict[str, Quantity] = {
     "mfu": Quantity("throughput", _utilisation(korthikanti_model_flops), {"%": 0.01}),
     "hfu": Quantity("throughput", _utilisation(korthikanti_hardware_flops), {"%": 0.01}),
     "ratio": Quantity("ratio", None, {"1": 1.0}),
+    "oom": Quantity(FIT_METRIC, lambda st: 0.0 if st.fits else 1.0, {"bool": 1.0}),
 }
 
 
@@ -246,16 +262,22 @@ def load_published(path: str | Path | None = None) -> list[PublishedFigure]:
             raise PipeplanError(f"{where}: quantity {r['quantity']!r} unknown; allowed: {', '.join(QUANTITIES)}")
         if r["metric"] != quantity.metric:
             raise PipeplanError(f"{where}: metric {r['metric']!r} does not fit quantity {r['quantity']!r}; "
-                                f"it is a {quantity.metric} (metrics: {', '.join(METRICS)})")
+                                f"it is a {quantity.metric} (metrics: {', '.join((*METRICS, FIT_METRIC))})")
         if r["unit"] not in quantity.units:
             raise PipeplanError(f"{where}: unit {r['unit']!r} for {r['quantity']}; allowed: "
                                 f"{', '.join(quantity.units)}")
-        try:
-            published = float(r["published"])
-        except ValueError:
-            raise PipeplanError(f"{where}: published {r['published']!r} is not a number") from None
-        if not math.isfinite(published) or published <= 0:
-            raise PipeplanError(f"{where}: published must be a positive number, got {r['published']}")
+        if r["metric"] == FIT_METRIC:
+            if r["published"] not in ("true", "false"):
+                raise PipeplanError(f"{where}: published must be true (ran out of memory) or false for metric "
+                                    f"{FIT_METRIC}, got {r['published']!r}")
+            published = 1.0 if r["published"] == "true" else 0.0
+        else:
+            try:
+                published = float(r["published"])
+            except ValueError:
+                raise PipeplanError(f"{where}: published {r['published']!r} is not a number") from None
+            if not math.isfinite(published) or published <= 0:
+                raise PipeplanError(f"{where}: published must be a positive number, got {r['published']}")
         if r["scored"] not in ("true", "false", "calibration"):
             raise PipeplanError(f"{where}: scored must be true, false or calibration, got {r['scored']!r}")
         ratio_of = None
@@ -276,7 +298,7 @@ def load_published(path: str | Path | None = None) -> list[PublishedFigure]:
             source=r["source"], table=r["table"], case=r["case"], metric=r["metric"], quantity=r["quantity"],
             published=published, unit=r["unit"], scenario=r["scenario"], overrides=overrides, ratio_of=ratio_of,
             scored=r["scored"] == "true", citation=r["citation"], notes=r["notes"],
-            calibration=r["scored"] == "calibration"))
+            calibration=r["scored"] == "calibration", group=(r.get("group") or "").strip()))
     _check_references(figures, path)
     return figures
 
@@ -396,5 +418,6 @@ def validation_table(predictions: Iterable[Prediction]) -> list[dict[str, Any]]:
             continue
         f = p.figure
         rows.append({"source": f.source, "table": f.table, "case": f.case, "metric": f.metric,
-                     "published": f.published, "predicted": p.predicted, "rel_error": p.rel_error})
+                     "published": f.published, "predicted": p.predicted, "rel_error": p.rel_error,
+                     "group": f.group})
     return rows

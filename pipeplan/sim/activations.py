@@ -105,6 +105,14 @@ def layer_memory(sc: Scenario) -> LayerMemory:
     else:  # softmax output; with dropout also its mask and output
         core = e * a * s * s * b + ((MASK_BYTES + e) * a * s * s * b if tr.dropout > 0 else 0)
     activation = replicated / sp + (sharded + core) / t
+    te_fp8 = tr.dtype == "fp8"
+    if te_fp8:
+        # Transformer Engine keeps each linear's input for the weight gradient as its FP8 copy, column-wise data
+        # only (module/linear.py _Linear.forward at d0067d0: `inputmat.update_usage(rowwise_usage=False,
+        # columnwise_usage=True)`, then `saved_inputmat = inputmat`): the QKV and MLP-up inputs (the norm
+        # outputs) and the down projection's input at 1 byte instead of e; the out-proj keeps an FP8 copy of the
+        # attention output beside flash attention's own e-byte output
+        activation += (FLOAT8_BYTES - e) * s * b * (2 * h / sp + m.ffn_hidden / t) + FLOAT8_BYTES * s * b * h / t
     gathered = 0.0
     float8_tp = sc.parallel.tp_style == "dtensor" and tr.float8_linears and t > 1
     if sc.parallel.tp_style == "dtensor" and (sp > 1 or float8_tp):
@@ -139,7 +147,8 @@ def layer_memory(sc: Scenario) -> LayerMemory:
     if sc.memory.recompute_norms:
         # Megatron-Core's "layernorm" recomputation frees the two norm outputs (the QKV and MLP-up inputs) and,
         # with eager kernels, what each unfused RMSNorm saves besides (its fp32 copy of x); the norm inputs stay
-        norm_outputs = (2 * e + (2 * 4 if not tr.compile and m.architecture == "llama" else 0)) * s * b * h / sp
+        norm_e = FLOAT8_BYTES if te_fp8 else e  # Transformer Engine keeps the norm outputs as FP8 copies
+        norm_outputs = (2 * norm_e + (2 * 4 if not tr.compile and m.architecture == "llama" else 0)) * s * b * h / sp
         activation -= norm_outputs
     # the W GEMMs' inputs: QKV and fc1 (replicated; Megatron keeps the SP shard and re-gathers it for W), proj,
     # fc2; their output gradients: QKV and fc1 (h-sharded), proj and fc2 whole: with SP a row-parallel layer's

@@ -173,6 +173,20 @@ class TrainingConfig(_Section):
     and inf/NaN check afterwards, rolling back if needed, so the next step starts per rank and consecutive
     steps overlap across ranks. The step time becomes the longest rank's own span (SimResult.step_time_s).
     false: Megatron-LM's all-reduce of those checks across the pipeline ends every step on every rank."""
+    framework: Literal["megatron", "deepspeed", "torch"] = "megatron"
+    """Whose mixed-precision optimizer holds the model states (sim/cost_model.state_bytes_per_param cites each):
+    megatron (fp32 main_grad beside the 16-bit weights; parallel.zero 1 is the distributed optimizer) |
+    deepspeed (bf16 with ZeRO 0-1: the BF16_Optimizer wrapper, which keeps the bf16 grads beside a full fp32
+    gradient accumulation buffer; otherwise the ZeRO optimizer or FP16_Optimizer, 16-bit grads) | torch
+    (autocast: fp32 parameters are the master copy, no 16-bit copy; FSDP2 with parallel.zero 3)."""
+    fp8_recipe: Literal["delayed", "current"] = "delayed"
+    """Transformer Engine's FP8 scaling (training.dtype = "fp8"): delayed (DelayedScaling: the scale from the amax
+    history, the new amax recorded inside the cast) | current (Float8CurrentScaling, NeMo's "FP8-CS": each
+    tensor's own amax, a reduction pass before its cast)."""
+    grad_reduce_in_fp32: bool = True
+    """Megatron-Core's gradient buffer (main_grad) and its data-parallel reduction in fp32 (the default); false:
+    in the training dtype, 2 bytes per parameter instead of 4 (`ddp.grad_reduce_in_fp32 = False`, which
+    Megatron-Bridge's Llama3 performance recipes set). Framework megatron, ZeRO 0-2."""
     optimizer_impl: Literal["fused", "foreach"] = "fused"
     """fused: one kernel per tensor group, no temporaries (Apex/TE FusedAdam in Megatron, torch fused AdamW);
     foreach: torch's multi-tensor Adam, which allocates one fp32 temporary per parameter during the step."""
@@ -200,6 +214,15 @@ class TrainingConfig(_Section):
 class ParallelConfig(_Section):
     tp: PosInt = 1
     dp: PosInt = 1
+    cp: PosInt = 1
+    """Context parallelism: each sequence split over cp ranks (load-balanced causal chunks), attention exchanging
+    K and V among them (sim/context_parallel.py). GPUs = stages x tp x dp x cp; the cp ranks share weights,
+    so gradients reduce and ZeRO/FSDP shards over dp x cp. Needs flash attention and seq_len divisible by 2 cp."""
+    cp_comm: Literal["p2p-ring", "all-gather"] = "p2p-ring"
+    """How K and V move between context-parallel ranks. p2p-ring: Megatron-Core / Transformer Engine's ring of
+    send/recv, each step's transfer overlapped with the previous chunk's attention. all-gather: torch's
+    context_parallel as torchtitan ran it in 2024 (rotate method ALL_GATHER), one all-gather overlapped with
+    the local chunk only, the K/V gradients reduce-scattered in fp32 after the backward."""
     sequence_parallel: bool = True
     """With tp > 1, shard norm/residual activations over TP too (Korthikanti et al. 2022)."""
     zero: Literal[0, 1, 2, 3] = 0
@@ -286,6 +309,8 @@ class DeviceConfig(_Section):
     gemm_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
     """The curve's large-GEMM asymptote: the one calibration per device (`pipeplan profile` measures it)."""
     attention_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
+    fp8_gemm_ratio: Annotated[float, Field(gt=0, le=1)] | None = None
+    """An FP8 GEMM's share of the FP8 peak over a bf16 GEMM's share of the bf16 peak (sim/devices.toml)."""
     hbm_gib: Pos | None = None
     hbm_gbps: Pos | None = None
     sm_count: PosInt | None = None

@@ -113,13 +113,42 @@ def state_bytes_per_param(sc: Scenario) -> dict[str, float]:
         "master_weights": (4 if mixed else 0) / (dp if zero >= 1 else 1),
         "optimizer": {"adam": 8, "sgd": 4}[tr.optimizer] / (dp if zero >= 1 else 1),  # Adam m, v; momentum
     }
-    if zero == 3 and dp > 1 and sc.pipeline.stages > 1:
+    if mixed and tr.framework == "megatron" and zero < 3 and not tr.grad_reduce_in_fp32:
+        parts["gradients"] = e / (dp if zero >= 2 else 1)  # main_grad in the training dtype
+    if mixed and tr.framework != "megatron":
+        parts.update(_framework_state_bytes(sc, zero, e))
+    if zero == 3 and dp > 1 and sc.pipeline.stages > 1 and tr.framework != "deepspeed":
         # FSDP2 with float8 all-gather keeps the unsharded linear weights in fp8 (torchtitan's 405B config:
         # enable_fsdp_float8_all_gather); with gradient sync off and reduce_dtype fp32 it accumulates the
         # unsharded gradient in fp32 (torch _fsdp_param.py FSDPParam.to_accumulated_grad_if_needed)
         parts["weights"] += 1 if tr.float8_linears else e
         parts["gradients"] += 4
     return parts
+
+
+def _framework_state_bytes(sc: Scenario, zero: int, e: int) -> dict[str, float]:
+    """Model-state bytes per parameter where a framework's mixed-precision optimizer differs from Megatron's.
+
+    DeepSpeed (engine.py `_do_optimizer_sanity_check` at 38327e0 picks the wrapper): bf16 with ZeRO 0 or 1 and
+    fp32 gradient accumulation gets BF16_Optimizer (runtime/bf16_optimizer.py): bf16 weights, their bf16 .grad
+    kept between micro-batches (zeroed, not freed: `_update_hp_grad`), a full, unpartitioned fp32 gradient
+    accumulation buffer (`fp32_groups_gradients_flat = zeros_like(bf16_groups_flat, dtype=grad_acc_dtype)`)
+    and the fp32 master and Adam states partitioned over data parallelism: 2e + 4 + 12/dp. ZeRO 1-3 otherwise
+    (zero/stage_1_and_2.py, stage3.py): 16-bit grads (sharded from stage 2) and the fp32 gradient of the own
+    partition at the step (`single_grad_partition`); fp16 without ZeRO, FP16_Optimizer (fp16/fused_optimizer.py:
+    an fp32 master copy and its fp32 .grad beside the fp16 weights and grads).
+    torch (autocast, torch.nn.parallel.DistributedDataParallel): the fp32 parameters are the master copy and
+    their fp32 .grad the gradients, no 16-bit copy; with parallel.zero 3 (FSDP2) the shared FSDP rule holds."""
+    tr, dp = sc.training, sc.parallel.dp
+    opt = {"adam": 8, "sgd": 4}[tr.optimizer]
+    if tr.framework == "torch":
+        return {} if zero == 3 else {"weights": 0.0, "master_weights": 4.0, "gradients": 4.0}
+    if tr.dtype == "bf16" and zero <= 1:  # BF16_Optimizer
+        return {"weights": e, "gradients": e + 4.0, "master_weights": 4.0 / dp, "optimizer": opt / dp}
+    if zero == 0:  # FP16_Optimizer
+        return {"weights": e, "gradients": e + 4.0, "master_weights": 4.0, "optimizer": opt}
+    return {"weights": e / (dp if zero == 3 else 1), "gradients": e / (dp if zero >= 2 else 1) + 4.0 / dp,
+            "master_weights": 4.0 / dp, "optimizer": opt / dp}
 
 
 def bytes_per_param(sc: Scenario) -> float:
@@ -137,7 +166,8 @@ def device_spec(sc: Scenario) -> DeviceSpec:
 
         raise ScenarioError(f"training.float8_linears: needs a device with FP8 tensor cores (fp8_tflops); "
                             f"{sc.device.preset} has none: set it to false or pick an H100/H200 preset")
-    return DeviceSpec.from_resolved(dev, sc.device.efficiency, fp8=sc.training.dtype == "fp8")
+    # bf16 rates: only the layers' GEMMs run at the FP8 rate (layer_ops.layer_times asks DeviceSpec.fp8)
+    return DeviceSpec.from_resolved(dev, sc.device.efficiency)
 
 
 @dataclass(frozen=True)
@@ -224,6 +254,8 @@ def p2p_transfer_s(sc: Scenario, links: Links) -> float:
 
 def model_chunk_costs(sc: Scenario) -> ChunkCosts:
     """Resolve a model-derived scenario into per-chunk costs."""
+    # a context-parallel rank is the seq_len / cp scenario, corrected: sim.costs asks sim/context_parallel.py
+    assert sc.parallel.cp == 1, "parallel.cp > 1 resolves through sim.context_parallel.context_parallel_costs"
     m, tr, t = sc.model, sc.training, sc.parallel.tp
     assert m is not None
     dev = sc.device.resolved()

@@ -14,6 +14,7 @@ import numpy as np
 from pipeplan.common.units import GIB
 from pipeplan.sim.chunk_detail import ChunkDetail
 from pipeplan.sim.config import CostsConfig, Scenario
+from pipeplan.sim.context_parallel import context_parallel_costs
 from pipeplan.sim.cost_model import model_chunk_costs
 from pipeplan.sim.ir import Action, Kind
 
@@ -109,7 +110,7 @@ def _build_cost_table(sc: Scenario) -> CostTable:
                 state_bytes={"weights": _per_chunk(c.static_bytes, chunks)},
             ),
         )
-    mc = model_chunk_costs(sc)
+    mc = context_parallel_costs(sc) if sc.parallel.cp > 1 else model_chunk_costs(sc)
     return CostTable(
         ranks=p,
         virtual_stages=v,
@@ -124,7 +125,7 @@ def _build_cost_table(sc: Scenario) -> CostTable:
         post_validation=sc.training.optimizer_post_validation,
         hbm_bytes=mc.hbm_bytes,
         tokens_per_microbatch=mc.tokens_per_microbatch,
-        data_parallel=sc.parallel.dp,
+        data_parallel=sc.parallel.dp * sc.parallel.cp,  # a context-parallel group shares one sequence's tokens
         flops_per_microbatch=mc.flops_per_microbatch,
         peak_flops_per_gpu=mc.peak_flops_per_gpu,
         gpus_per_rank=mc.gpus_per_chunk,

@@ -154,13 +154,15 @@ def step_tail(sc: Scenario, dev: DeviceSpec, links: Links, params: np.ndarray, b
     np.add.at(window, chunk_rank, backward_s)  # one microbatch's backward of every chunk on the rank
     d, zero = sc.parallel.dp, effective_zero(sc)
     link = dp_link(sc, links)
-    grads = GRAD_BYTES * p_rank
+    # the gradient buffer's dtype: fp32, or the training dtype with training.grad_reduce_in_fp32 = false
+    grad_bytes = GRAD_BYTES if sc.training.grad_reduce_in_fp32 else DTYPE_BYTES[sc.training.dtype]
+    grads = grad_bytes * p_rank
     if zero == 0:
         reduce = np.array([all_reduce_s(g, d, link) for g in grads])
-        bucket = np.array([all_reduce_s(GRAD_BYTES * min(bucket_params(d), pr), d, link) for pr in p_rank])
+        bucket = np.array([all_reduce_s(grad_bytes * min(bucket_params(d), pr), d, link) for pr in p_rank])
     else:
         reduce = np.array([reduce_scatter_s(g, d, link) for g in grads])
-        bucket = np.array([reduce_scatter_s(GRAD_BYTES * min(bucket_params(d), pr), d, link) for pr in p_rank])
+        bucket = np.array([reduce_scatter_s(grad_bytes * min(bucket_params(d), pr), d, link) for pr in p_rank])
     exposed = np.maximum(bucket, reduce - window) if sc.parallel.overlap_grad_reduce else reduce
     if zero3_per_microbatch(sc):
         # every B reduce-scatters its gradients inside its own bound (zero3_pass_comm_s); what follows the

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pipeplan.sim.activations import DTYPE_BYTES, LSE_BYTES, MASK_BYTES, mlp_widths, sequence_divisor
 from pipeplan.sim.comm import Link
 from pipeplan.sim.config import Scenario
-from pipeplan.sim.roofline import DeviceSpec, attention_s, gemm_s, memory_bound_s
+from pipeplan.sim.roofline import DeviceSpec, attention_s, gemm_s, kernels_s, memory_bound_s
 from pipeplan.sim.tp_comm import collective_s, head_collectives, layer_collectives, pass_with_comm_s
 
 FLASH_BACKWARD = 2.5  # FlashAttention-2 (Dao 2023): backward does 5 matmuls to the forward's 2
@@ -155,23 +155,42 @@ def _elementwise_bytes(sc: Scenario) -> float:
     return replicated / sp + (rope + swiglu + copies) / t
 
 
-def _float8_cast_bytes(sc: Scenario) -> tuple[float, float, float]:
-    """(F, I, W) bytes of the dynamic tensor-wise scaling of every Float8 GEMM operand of one layer.
+def _float8_cast_kernels(sc: Scenario) -> tuple[list[float], list[float], list[float]]:
+    """(F, I, W) bytes of each memory-bound kernel that scales and casts one layer's FP8 GEMM operands.
 
-    torchao's Float8Linear (float8_utils.tensor_to_amax, to_fp8_saturated) takes amax(|x|) of each bf16 operand
-    and casts it to fp8 with the scale that amax gives: an abs, a max reduction, and a scale-clamp-cast pass.
-    Compiled, Inductor folds the amax reduction into the kernel that produces the operand (torchtitan's
-    float8.py: Float8 "is intended to be ran under torch.compile"), leaving the cast pass (read e, write 1):
-    e + 1 bytes per element; eager, abs reads and writes, max re-reads |x| and the cast reads x again: 4e + 1.
-    F casts X and W, I casts dY and W again (the fp8 GEMM wants W transposed), W casts X and dY (transposed)."""
+    Float8 linears (`training.float8_linears`, torchao Float8Linear with dynamic tensor-wise scaling): the
+    kernels torchao's own roofline counts (torchao/testing/float8/roofline_utils.py,
+    get_tensor_memory_traffic_ovhd_s, "tensorwise"). Each activation (a GEMM input X in F, the output gradient
+    dY in I) takes amax(|x|) in two stages (the first reads x; under torch.compile Inductor fuses it into the
+    kernel that produced x, so 0 bytes, but the launch remains) and one cast that reads x and writes it twice
+    in fp8, row- and column-major, for the two GEMMs that use it; each weight takes its amax (never fused) and
+    one cast per pass that uses it (F's W, I's W transposed). The W pass finds every operand cast already.
+
+    FP8 training through Transformer Engine (`training.dtype = "fp8"`, Megatron-LM / NeMo): delayed scaling
+    takes the scale from the amax history and records the new amax inside the cast kernel (Transformer Engine
+    docs, "Using FP8 with Transformer Engine": delayed scaling), so each activation costs one cast (read e,
+    write the fp8 copy and its transpose, 2 bytes); the weights' fp8 copies are made on a step's first
+    microbatch and reused by the others (TE modules' `is_first_microbatch`), so none per microbatch here.
+    Current scaling (`training.fp8_recipe = "current"`, TE's Float8CurrentScaling recipe, common/recipe/
+    __init__.py: per-tensor current amax) first reduces each activation to its amax (reads e bytes per element,
+    then a one-element scale kernel) before the same cast.
+    Each kernel costs at least KERNEL_FLOOR_S (roofline.kernels_s)."""
     e = DTYPE_BYTES[sc.training.dtype]
-    per = (e + 1) if sc.training.compile else (4 * e + 1)
-    f = i = w = 0.0
+    f: list[float] = []
+    i: list[float] = []
+    te = sc.training.dtype == "fp8"
+    fused_amax = sc.training.compile
     for mm, n, k in _gemms(sc):
-        f += per * (mm * k + k * n)
-        i += per * (mm * n + k * n)
-        w += per * (mm * k + mm * n)
-    return f, i, w
+        x, w, dy = mm * k, k * n, mm * n  # elements of X, W and dY
+        if te:
+            for act, out in ((x, f), (dy, i)):  # current scaling: an amax pass (two stages) before the cast
+                out += [e * act, 0.0, (e + 2) * act] if sc.training.fp8_recipe == "current" else [(e + 2) * act]
+            continue
+        for act, out in ((x, f), (dy, i)):
+            out += [0.0 if fused_amax else e * act, 0.0, (e + 2) * act]  # amax stage 1 and 2, the cast
+        f += [e * w, 0.0, (e + 1) * w]  # the weight's amax (two stages) and its cast for F
+        i.append((e + 1) * w)  # ... and transposed for I
+    return f, i, []
 
 
 def projections(sc: Scenario) -> list[tuple[float, float, float, bool]]:
@@ -241,15 +260,20 @@ def _attention_s(sc: Scenario, dev: DeviceSpec) -> tuple[float, float]:
     return gemms_f + memory_bound_s(softmax_f, dev), 2 * gemms_f + memory_bound_s(softmax_b, dev)
 
 
+def attention_core_s(sc: Scenario, dev: DeviceSpec) -> tuple[float, float]:
+    """(forward, backward-input) time of one layer's attention core on one TP rank (sim/context_parallel.py)."""
+    return _attention_s(sc, dev)
+
+
 def layer_times(sc: Scenario, dev: DeviceSpec, tp: Link) -> LayerTimes:
     tr = sc.training
     float8 = tr.float8_linears or tr.dtype == "fp8"
     e = 1 if float8 else DTYPE_BYTES[tr.dtype]
-    gdev = dev.fp8() if tr.float8_linears else dev  # dtype "fp8": dev already runs at the FP8 rate
+    gdev = dev.fp8() if float8 else dev  # only the layers' GEMMs run at the FP8 rate
     f_gemm = sum(gemm_s(mm, n, k, e, gdev) for mm, n, k in _gemms(sc))
     i_gemm = sum(gemm_s(mm, k, n, e, gdev) for mm, n, k in _gemms(sc))
     w_gemm = sum(gemm_s(k, n, mm, e, gdev) for mm, n, k in _gemms(sc))
-    cast_f, cast_i, cast_w = (memory_bound_s(x, dev) for x in _float8_cast_bytes(sc)) if tr.float8_linears \
+    cast_f, cast_i, cast_w = (kernels_s(x, dev) for x in _float8_cast_kernels(sc)) if float8 \
         else (0.0, 0.0, 0.0)
     attn_f, attn_i = _attention_s(sc, dev)
     elem = memory_bound_s(_elementwise_bytes(sc), dev)
@@ -290,7 +314,7 @@ def head_times(sc: Scenario, dev: DeviceSpec, tp: Link) -> HeadTimes:
     assert m is not None
     e = DTYPE_BYTES[tr.dtype]
     tokens, h, v = tr.micro_batch_size * m.seq_len, m.hidden, m.vocab
-    ge = 1 if tr.dtype == "fp8" else e
+    ge = e  # the LM head stays bf16 (Megatron's output layer is no Transformer Engine module; torchao skips it)
     loss_f = memory_bound_s((e + 3 * 4) * tokens * v / t, dev)  # bf16 in, fp32 copy, max/exp pass, log-sum
     loss_b = memory_bound_s((4 + 4 + e) * tokens * v / t, dev)  # softmax - one-hot, scale, cast to bf16
     norm = memory_bound_s(2 * e * tokens * h / sequence_divisor(sc), dev)

@@ -11,6 +11,11 @@ therefore run well below the asymptote and large ones approach it: the efficienc
 Attention runs as one fused kernel on its own curve (`attention_efficiency`, FlashAttention-2/-3 papers).
 Element-wise work (norms, activations, dropout, residual adds, RoPE) is memory-bound: bytes / bandwidth.
 
+FP8 GEMMs (`DeviceSpec.fp8`) run at the device's dense FP8 rate times `fp8_gemm_ratio`: the share of the bf16
+asymptote an FP8 GEMM of the same shape sustains (sim/devices.toml cites the measurement), read 1-byte operands
+and write a bf16 output (torch._scaled_mm's out_dtype and Transformer Engine's GEMMs; torchao's float8
+roofline, torchao/testing/float8/roofline_utils.py, counts the same bytes). Everything else stays at bf16 rates.
+
 A [device] `efficiency` given by the scenario replaces the curve with one flat factor for GEMMs and
 attention alike (one calibration per device); the memory-bound terms stay.
 """
@@ -22,6 +27,10 @@ from dataclasses import dataclass, replace
 
 # cuBLAS' largest bf16 tensor-core tile for big GEMMs on Ampere/Hopper (NVIDIA's GEMM guide uses 256 x 128).
 TILE_M, TILE_N = 256, 128
+# The smallest kernel's time on an H100: a one-element Triton kernel measured from the trace (torchao
+# torchao/testing/float8/roofline_utils.py KERNEL_LAUNCH_OVERHEAD_SEC = 0.002 ms); floors each cast kernel.
+KERNEL_FLOOR_S = 2e-6
+BF16_OUT_BYTES = 2  # what an FP8 GEMM writes
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,8 @@ class DeviceSpec:
     attention_efficiency: float  # fused attention kernel, achieved / peak
     flat_efficiency: float | None = None  # a scenario's [device] efficiency: replaces both curves
     fp8_peak_flops: float | None = None  # dense FP8 FLOP/s, where the device has FP8 tensor cores
+    fp8_gemm_ratio: float = 1.0  # an FP8 GEMM's asymptote over the bf16 one (sim/devices.toml cites it)
+    out_bytes: int | None = None  # bytes per output element when not the operands' (FP8 GEMMs write bf16)
 
     @classmethod
     def from_resolved(cls, dev: dict[str, float], flat: float | None, fp8: bool = False) -> DeviceSpec:
@@ -48,12 +59,15 @@ class DeviceSpec:
             attention_efficiency=dev["attention_efficiency"],
             flat_efficiency=flat,
             fp8_peak_flops=fp8_peak,
+            fp8_gemm_ratio=float(dev.get("fp8_gemm_ratio", 1.0)),
         )
 
     def fp8(self) -> DeviceSpec:
-        """The same device with GEMMs at its dense FP8 rate (the caller checks the device has one)."""
+        """The same device for FP8 GEMMs: the dense FP8 rate at fp8_gemm_ratio of the bf16 asymptote, bf16
+        output (the caller checks the device has FP8 tensor cores)."""
         assert self.fp8_peak_flops is not None, "no FP8 tensor cores on this device"
-        return replace(self, peak_flops=self.fp8_peak_flops)
+        return replace(self, peak_flops=self.fp8_peak_flops, out_bytes=BF16_OUT_BYTES,
+                       gemm_efficiency=self.gemm_efficiency * self.fp8_gemm_ratio)
 
 
 def wave_efficiency(m: float, n: float, sm_count: int, batch: float = 1.0) -> float:
@@ -63,17 +77,19 @@ def wave_efficiency(m: float, n: float, sm_count: int, batch: float = 1.0) -> fl
 
 
 def gemm_efficiency(m: float, n: float, dev: DeviceSpec, batch: float = 1.0) -> float:
+    """Achieved share of peak of one (m x k) @ (k x n) GEMM: the asymptote times wave quantisation."""
     if dev.flat_efficiency is not None:
         return dev.flat_efficiency
     return dev.gemm_efficiency * wave_efficiency(m, n, dev.sm_count, batch)
 
 
 def gemm_s(m: float, n: float, k: float, e: int, dev: DeviceSpec, count: float = 1.0) -> float:
-    """A batch of `count` GEMMs of (m x k) @ (k x n) with e-byte operands."""
+    """A batch of `count` GEMMs of (m x k) @ (k x n) with e-byte operands (and dev.out_bytes outputs)."""
     if m <= 0 or n <= 0 or k <= 0 or count <= 0:
         return 0.0
     compute = 2 * m * n * k / (dev.peak_flops * gemm_efficiency(m, n, dev, count))
-    memory = e * (m * k + k * n + m * n) / dev.hbm_bps
+    out = dev.out_bytes if dev.out_bytes is not None else e
+    memory = (e * (m * k + k * n) + out * m * n) / dev.hbm_bps
     return count * max(compute, memory)
 
 
@@ -85,3 +101,8 @@ def attention_s(flops: float, nbytes: float, dev: DeviceSpec) -> float:
 
 def memory_bound_s(nbytes: float, dev: DeviceSpec) -> float:
     return nbytes / dev.hbm_bps
+
+
+def kernels_s(nbytes: list[float], dev: DeviceSpec) -> float:
+    """Memory-bound kernels run one after another, each at least KERNEL_FLOOR_S."""
+    return sum(max(b / dev.hbm_bps, KERNEL_FLOOR_S) for b in nbytes)

@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
         summarize,
         validation_table,
     )
-    from pipeplan.analysis.validation_plots import parity_plot, print_summary
+    from pipeplan.analysis.validation_plots import parity_plot, print_ranking, print_summary
+    from pipeplan.analysis.validation_ranking import FIT_COLUMNS, fit_table, rank_groups, ranking_frame
     from pipeplan.common.io import atomic_write_text, csv_text
 
     if args.published is not None and not args.published.strip():  # '' is a mistake, not "the default set"
@@ -51,9 +52,13 @@ def run(args: argparse.Namespace) -> int:
 
         predictions = predict_all(figures, folder=path.parent, progress=step)
     table = pd.DataFrame(validation_table(predictions), columns=list(OUTPUT_COLUMNS))
+    rankings, fits = rank_groups(predictions), fit_table(predictions)
     with output_folder(args) as stage:
         atomic_write_text(stage / "validation.csv", csv_text(table))
+        atomic_write_text(stage / "ranking.csv", csv_text(ranking_frame(rankings)))
+        atomic_write_text(stage / "fits.csv", csv_text(pd.DataFrame(fits.rows, columns=list(FIT_COLUMNS))))
         parity_plot(predictions, stage / "parity.png")
     print_summary(summarize(predictions), predictions)
-    print(f"wrote {args.out}/: validation.csv parity.png")
+    print_ranking(rankings, fits)
+    print(f"wrote {args.out}/: validation.csv ranking.csv fits.csv parity.png")
     return 0
