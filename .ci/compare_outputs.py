@@ -1,7 +1,7 @@
 """Compare two `.ci/regress` output trees: equal but for wall-clock fields, code-fingerprint keys and figures.
 
-JSON and CSV are compared as data with those fields dropped; journal lines (JSONL) as a set, since worker
-processes finish in any order. Prints each differing file and exits 1 if any differs."""
+JSON and CSV are compared as data with those fields dropped; CSV rows and journal lines (JSONL) as sets, since
+worker processes finish in any order. Prints each differing file and exits 1 if any differs."""
 
 import csv
 import io
@@ -33,7 +33,8 @@ def _load(p: Path) -> object:
     if p.suffix == ".csv":
         rows = list(csv.reader(io.StringIO(text)))
         keep = [i for i, h in enumerate(rows[0]) if not VOLATILE.search(h)] if rows else []
-        return [[r[i] for i in keep if i < len(r)] for r in rows]
+        body = sorted([r[i] for i in keep if i < len(r)] for r in rows[1:])  # a sweep writes rows as they finish
+        return [[rows[0][i] for i in keep], *body] if rows else []
     return text
 
 
