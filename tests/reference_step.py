@@ -16,11 +16,16 @@ backward (its first action for the first few) or, if later, when the copy out en
 starts and the backward waits for its end. Waiting on copies is stall. With W stash offload too, every I's
 offloaded stash part is copied out after the I on the same d2h engine (in the rank's order with the
 forwards' copies), an I waits for the stash copy out two I's back, and every W's part comes back on the h2d
-engine under the same issue rule, in one list with the backwards' prefetches.
+engine under the same issue rule, in one list with the backwards' prefetches. With weight offload
+(docs/memory.md), a chunk's weights leave HBM after a use whose next use lies more than lookahead + 1
+actions later, and come back on the h2d engine, asked for when the action lookahead places before that use
+starts (before that action's other prefetches); read cyclically over the step's end, a chunk whose first use
+lies more than lookahead actions in starts the step away.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from pipeplan.sim.ir import Action, Kind
@@ -132,12 +137,18 @@ def _peak(actions: list[Action], act, stash) -> float:
 _PRODUCER = {Kind.B: Kind.F, Kind.I: Kind.F, Kind.W: Kind.I}  # a consumer's bytes come from this action
 
 
+def _use(key) -> Action:
+    """The action a copy back is for: a consumer, or (\"weights\", its next use)."""
+    return key[1] if type(key) is tuple else key
+
+
 class Offload:
     """Activation (and W stash) offload on each rank's two FIFO copy engines (module docstring), walked with
     the ranks. `offloaded` and `stash_offloaded` are per chunk and microbatch (None: that kind is not copied);
     `stash` what an I keeps."""
 
-    def __init__(self, sched, act, offloaded, bandwidth: float, lookahead: int, stash=None, stash_offloaded=None):
+    def __init__(self, sched, act, offloaded, bandwidth: float, lookahead: int, stash=None, stash_offloaded=None,
+                 weights=None, static=None):
         self.bw, self.act_copies, self.stash_copies = bandwidth, offloaded is not None, stash_offloaded is not None
         self.keep = {Kind.F: act, Kind.I: stash if stash is not None else 0 * act}
         self.off = {Kind.F: offloaded, Kind.I: stash_offloaded}
@@ -158,6 +169,8 @@ class Offload:
         self.d2h_free, self.h2d_free, self.stall = [0.0] * n, [0.0] * n, [0.0] * n
         self.events: list[list[tuple[float, float]]] = [[] for _ in range(n)]  # per rank: (time, HBM change)
         self.copies: dict[tuple[int, str], list[str]] = {}
+        self.static = list(static) if static is not None else [0.0] * n
+        self._weight_windows(lookahead, weights)
 
     def _copies(self, kind: Kind) -> bool:
         return (kind is Kind.F and self.act_copies) or (kind is Kind.I and self.stash_copies)
@@ -167,15 +180,44 @@ class Offload:
         t = ready
         if self._copies(a.kind) and len(self.ran[a.kind][r]) >= 2:
             t = max(t, self.out_end[self.ran[a.kind][r][-2]])
-        if a in self.asked:
-            t = max(t, self._granted_until(r, a)[1])
+        for key in (a, ("weights", a)):
+            if key in self.asked:
+                t = max(t, self._granted_until(r, key)[1])
         self.stall[r] += t - ready
+        for use, c in self.w_issue.get((r, k), ()):
+            key = ("weights", use)
+            self.asked[key], self.w_order[key], self.w_bytes[key] = t, len(self.w_order), self.weights[c]
         for b in self.issues.get((r, k), ()):
             self.asked[b] = t
         return t
 
+    def _weight_windows(self, lookahead: int, weights) -> None:
+        """Offloaded weights leave after a use when the next use lies more than lookahead + 1 actions later, and
+        come back asked for by the action lookahead places before it; read cyclically over the step's end, a
+        chunk whose first use lies more than lookahead actions in starts the step away (docs/memory.md)."""
+        self.weights, self.w_order, self.w_bytes = weights, {}, {}
+        self.w_release: dict[tuple[int, int], list[int]] = {}  # (rank, position) -> chunks leaving as it ends
+        self.w_issue: dict[tuple[int, int], list[tuple[Action, int]]] = {}  # (rank, position) -> (use, chunk)
+        self.away = [0.0] * len(self.ranks)
+        for r, actions in enumerate(self.ranks if weights is not None else ()):
+            uses: dict[int, list[int]] = {}
+            for k, a in enumerate(actions):
+                uses.setdefault(a.stage, []).append(k)
+            for c, ks in sorted(uses.items()):
+                gaps = [(k1, k2) for k1, k2 in itertools.pairwise(ks) if k2 - k1 > lookahead + 1]
+                if ks[0] > lookahead:  # away across the step's boundary
+                    self.away[r] += weights[c]
+                    gaps = [(None, ks[0]), *gaps, (ks[-1], None)]
+                for k1, k2 in gaps:
+                    if k1 is not None:
+                        self.w_release.setdefault((r, k1), []).append(c)
+                    if k2 is not None:
+                        self.w_issue.setdefault((r, k2 - lookahead), []).append((actions[k2], c))
+
     def after(self, r: int, a: Action, start: float, end: float) -> None:
         s = a.stage
+        for c in self.w_release.get((r, self.pos[a]), ()):
+            self.events[r].append((end, -self.weights[c]))
         if a.kind is Kind.F:
             self.events[r].append((start, self.keep[Kind.F][s]))
         elif a.kind is Kind.B:
@@ -194,25 +236,36 @@ class Offload:
     def _granted_until(self, r: int, b: Action) -> tuple[float, float]:
         """Grant the rank's asked-for copies back in the order they were asked (their copy out done), up to b's."""
         while b not in self.back:
-            own = {x: Action(x.stage, _PRODUCER[x.kind], x.microbatch) for x in self.asked if x in self.on_rank[r]}
-            waiting = [(max(self.asked[x], self.out_end[px]), self.pos[x], x)
-                       for x, px in own.items() if x not in self.back and px in self.out_end]
-            asked_at, _, x = min(waiting)
-            nbytes = self.off[_PRODUCER[x.kind]][x.stage]
+            waiting = [w for w in map(self._request, self.asked) if w is not None and _use(w[-1]) in self.on_rank[r]]
+            asked_at, _, _, x = min(waiting)
+            weights = type(x) is tuple
+            nbytes = self.w_bytes[x] if weights else self.off[_PRODUCER[x.kind]][x.stage]
             begin = max(asked_at, self.h2d_free[r])
             self.back[x] = (begin, begin + nbytes / self.bw)
             self.h2d_free[r] = self.back[x][1]
             self.events[r].append((begin, nbytes))
-            label = "stash-prefetch" if x.kind is Kind.W else "prefetch"
-            self.copies.setdefault((r, "h2d"), []).append(f"{label} {x}")
+            label = "weights" if weights else "stash-prefetch" if x.kind is Kind.W else "prefetch"
+            self.copies.setdefault((r, "h2d"), []).append(f"{label} {_use(x)}")
         return self.back[b]
+
+    def _request(self, key):
+        """(when the copy back asks for its engine, weights before copies asked at once, their order, key), or
+        None when not asked yet, granted, or its copy out has not run."""
+        if key in self.back:
+            return None
+        if type(key) is tuple:  # ("weights", use): asked as its issuer starts
+            return self.asked[key], 0, self.w_order[key], key
+        producer = Action(key.stage, _PRODUCER[key.kind], key.microbatch)
+        if producer not in self.out_end:
+            return None
+        return max(self.asked[key], self.out_end[producer]), 1, self.pos[key], key
 
     def peaks(self) -> list[float]:
         """Per rank: the most HBM its activations and stashes held; at equal times, frees come first (a
         producer held back by a pinned buffer starts as that copy ends and frees it)."""
         out = []
-        for events in self.events:
-            live = peak = 0.0
+        for r, events in enumerate(self.events):
+            live = peak = self.static[r] - self.away[r]
             for _, delta in sorted(events, key=lambda e: (e[0], e[1] > 0)):
                 live += delta
                 peak = max(peak, live)

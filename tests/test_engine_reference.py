@@ -1,6 +1,7 @@
 """The engine against tests/reference_step.py, a walk of the step written independently from docs/simulator.md
 (no step-graph or engine code): every registered schedule, random sizes and costs, free or queueing links,
-blocking or overlapped sends, with and without a W stash."""
+blocking or overlapped sends, with and without a W stash; activation, W stash and weight offload on the copy
+engines."""
 
 from __future__ import annotations
 
@@ -97,6 +98,35 @@ def test_engine_offload_matches_the_independent_reference(step, seed, lookahead,
     for a in ref.start:
         assert engine[str(a)] == pytest.approx((ref.start[a], ref.end[a]), rel=1e-9, abs=1e-9), a
     assert res.makespan_s == pytest.approx(ref.makespan, rel=1e-9, abs=1e-12)
+    assert list(res.stall_s) == pytest.approx(ref.stall, rel=1e-9, abs=1e-9)
+    assert list(res.peak_hbm_bytes) == pytest.approx(ref.peak_hbm, rel=1e-9, abs=1e-9)
+    order = {key: [f"{what} {x}" for what, x in items] for key, items in (res.copy_order() or {}).items()}
+    assert order == ref.copies
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(steps(), st.integers(0, 2**32 - 1), st.integers(1, 3), st.booleans())
+def test_engine_weight_offload_matches_the_independent_reference(step, seed, lookahead, act_copies):
+    """Weight offload (with or without activation offload): windows, the boundary, h2d FIFO order, HBM peaks."""
+    sched, costs, _ = step
+    rng = np.random.default_rng(seed)
+    act, n = costs.activation_bytes, len(costs.activation_bytes)
+    off = act * rng.uniform(0.1, 0.9, n) if act_copies else np.zeros(n)
+    weights = rng.uniform(0.5, 3.0, n)
+    static = weights + rng.uniform(0, 2, n)
+    bandwidth = float(rng.uniform(0.3, 3.0))
+    plan = replace(keep_everything(costs), offload_bytes=off, host_link_bps=bandwidth, prefetch_lookahead=lookahead,
+                   weight_offload_bytes=weights, static_hbm_bytes=static)
+    res = simulate(sched, costs, memory=plan)
+    per_rank = np.zeros(sched.num_ranks)
+    np.add.at(per_rank, list(sched.stage_to_rank), static)
+    copies = Offload(sched, act, off if off.any() else None, bandwidth, lookahead, weights=weights, static=per_rank)
+    ref = reference_step(sched, costs.forward_s, costs.backward_input_s, costs.backward_weight_s, act,
+                         np.zeros(n), costs.p2p_s, costs.p2p_blocking, copies)
+    engine = {f"{s}{kd}{mb}": (b, e) for s, kd, mb, b, e in
+              zip(res.stage, res.kind, res.microbatch, res.start_s, res.end_s, strict=True)}
+    for a in ref.start:
+        assert engine[str(a)] == pytest.approx((ref.start[a], ref.end[a]), rel=1e-9, abs=1e-9), a
     assert list(res.stall_s) == pytest.approx(ref.stall, rel=1e-9, abs=1e-9)
     assert list(res.peak_hbm_bytes) == pytest.approx(ref.peak_hbm, rel=1e-9, abs=1e-9)
     order = {key: [f"{what} {x}" for what, x in items] for key, items in (res.copy_order() or {}).items()}

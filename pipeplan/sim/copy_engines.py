@@ -14,6 +14,8 @@ from pipeplan.sim.graph import SideTask
 from pipeplan.sim.ir import Action
 from pipeplan.sim.results import CopyRecord
 
+Process = Generator[simpy.Event, None, None]  # a SimPy process body
+
 
 class CopyEngines:
     """The streams of every rank, the grant-order log, and when the last side-chain copy ended."""
@@ -25,7 +27,7 @@ class CopyEngines:
         self.end_s = 0.0  # the last side chain's end: the pipeline's makespan is no earlier
 
     def hold(self, rank: int, stream: Stream, what: CopyKind, i: int, stage: int, seconds: float | None,
-             end_no_earlier: float = 0.0, on_grant: Callable[[], None] | None = None) -> Generator:
+             end_no_earlier: float = 0.0, on_grant: Callable[[], None] | None = None) -> Process:
         """Queue on the rank's `stream`, then copy for `seconds` (None: an empty copy, no time). A copy that
         must end no earlier than `end_no_earlier` (its last piece is made then) waits for it once granted;
         `on_grant` runs as the copy starts (HBM taken for a prefetch)."""
@@ -42,7 +44,7 @@ class CopyEngines:
                 yield env.timeout(seconds)
             entry[-1] = env.now
 
-    def side_chain(self, chain: tuple[SideTask, ...], rank: int) -> Generator:
+    def side_chain(self, chain: tuple[SideTask, ...], rank: int) -> Process:
         """One chain of side tasks (sim.graph.side_chains): each queues on its copy engine (FIFO) or runs on
         the host, after the previous one; the step ends no earlier than the chain."""
         for task in chain:

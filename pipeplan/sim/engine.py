@@ -154,7 +154,7 @@ class _StepSimulation:
         return hbm, residency, offloads
 
     # ---- the ranks -----------------------------------------------------------------------------------------
-    def _rank_process(self, rank: int) -> Generator:
+    def _rank_process(self, rank: int) -> Generator[simpy.Event, None, None]:
         env, end, offloads = self.env, self.end, self.offloads
         for i in self.st.rank_nodes(rank):
             free = env.now

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import simpy
 
-from pipeplan.sim.copy_engines import CopyEngines
+from pipeplan.sim.copy_engines import CopyEngines, Process
 from pipeplan.sim.copy_rules import CopyKind, Stream, buffer_gate
 from pipeplan.sim.graph import (
     STASH_KINDS,
@@ -120,22 +120,22 @@ class Offloads:
                                      [[] for _ in range(n_ranks)])
         return flavors
 
-    def _consumed(self, kind: Kind) -> Flavor | None:
-        """The flavor whose prefetch a `kind` action waits for (B/I: activations, W: its stash)."""
-        return self.flavors.get(Kind.F if kind in BACKWARD_KINDS else Kind.I if kind is Kind.W else None)
+    def _consumed(self, kind: Kind) -> Flavor:
+        """The flavor whose prefetch a consumer of `kind` waits for (B/I: activations, W: its stash)."""
+        return self.flavors[Kind.F if kind in BACKWARD_KINDS else Kind.I]
 
     def _copy_s(self, fl: Flavor, stage: int, nbytes: float) -> float:
         return nbytes / (self.mem.nvme_bps if fl.nvme[stage] else self.mem.host_link_bps)
 
     # ---- the engine's hooks ------------------------------------------------------------------------------
-    def before(self, i: int, rank: int, ready: float) -> Generator:
+    def before(self, i: int, rank: int, ready: float) -> Generator[simpy.Event, None, float]:
         """Before node i may start (its inputs there at `ready`): the pinned-buffer gate, its prefetches (whole,
         or layer by layer as sim.graph.LayerCopy.in_offsets says), its weights; then issue what its start
         issues. Returns when it starts; time waited on copies is stall."""
         env, kind = self.env, self.st.actions[i].kind
-        own = self.flavors.get(kind)
-        g = buffer_gate(own.ran[rank]) if own is not None else None
-        gate = own.done[g] if g is not None else None
+        own, gate = self.flavors.get(kind), None
+        if own is not None and (g := buffer_gate(own.ran[rank])) is not None:
+            gate = own.done[g]
         fetched = i in self.fetches.issuer  # a B/I with activation offload, a W with stash offload
         if fetched and i not in self.fetches.done:
             self._issue(rank, self.fetches.issuer[i])
@@ -170,7 +170,7 @@ class Offloads:
             self.env.process(self.engines.side_chain(self.side_chains[i], rank))
 
     # ---- waits ---------------------------------------------------------------------------------------------
-    def _wait(self, event: simpy.Event, rank: int, ready: float) -> Generator:
+    def _wait(self, event: simpy.Event, rank: int, ready: float) -> Process:
         """Wait for `event` from time `ready`; what it adds is stall."""
         if ready > self.env.now:
             yield self.env.timeout(ready - self.env.now)
@@ -178,7 +178,7 @@ class Offloads:
             yield event
             self.stall[rank] += self.env.now - ready
 
-    def _layered_start(self, i: int, rank: int, ready: float, lc: LayerCopy) -> Generator:
+    def _layered_start(self, i: int, rank: int, ready: float, lc: LayerCopy) -> Generator[simpy.Event, None, float]:
         """A layer-wise consumer starts once its prefetch has, as early as its first and last pieces allow."""
         env = self.env
         if i not in self.fetches.span:
@@ -210,7 +210,7 @@ class Offloads:
         fl.ran[rank].append(i)
         self.env.process(self._copy_out(i, rank, fl))
 
-    def _copy_out(self, i: int, rank: int, fl: Flavor) -> Generator:
+    def _copy_out(self, i: int, rank: int, fl: Flavor) -> Process:
         """After producer i (layer by layer: from its first layer on, sim.graph.LayerCopy): copy its offloaded
         bytes to the host on the d2h engine (FIFO), then release them from HBM; its `done` fires either way."""
         env, a = self.env, self.st.actions[i]
@@ -228,7 +228,7 @@ class Offloads:
             self.hbm.allocate(rank, -nbytes, env.now, a)
         fl.done[i].succeed()
 
-    def _prefetch(self, user: int, rank: int) -> Generator:
+    def _prefetch(self, user: int, rank: int) -> Process:
         """Before a consumer: wait for its producer's copy out, then bring the bytes back on the h2d engine
         (FIFO), HBM allocated when the copy starts (to the F for activations, to the W for its stash)."""
         env, a = self.env, self.st.actions[user]
@@ -252,7 +252,7 @@ class Offloads:
             self.hbm.host.move(rank, fl.nvme[a.stage], -nbytes)
         self.fetches.done[user].succeed()
 
-    def _fetch_weights(self, use: int, chunk: int, rank: int) -> Generator:
+    def _fetch_weights(self, use: int, chunk: int, rank: int) -> Process:
         """Before `use`: bring the chunk's weights back (FIFO on the h2d engine), HBM allocated when it starts."""
         nbytes = self.weights.nbytes[chunk]
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeplan.sim.copy_rules import CopyKind, Stream
 from pipeplan.sim.costs import CostTable
 from pipeplan.sim.graph import CopyOrder
 from pipeplan.sim.ir import Action, Schedule
@@ -30,10 +31,10 @@ class CopyRecord:
     (`action` is the F), a prefetch before B/I (`action` is the B/I), or an optimizer-step copy of `stage`."""
 
     rank: int
-    stream: str  # a sim.copy_rules.Stream
-    # a sim.copy_rules.CopyKind: "offload", "prefetch", "stash-offload" (after an I), "stash-prefetch" (before a W),
-    # "weights" (a weight prefetch: `action` is the next use) or "step"
-    what: str
+    stream: Stream
+    # "offload", "prefetch", "stash-offload" (after an I), "stash-prefetch" (before a W), "weights" (a weight
+    # prefetch: `action` is the next use) or "step"
+    what: CopyKind
     action: Action | None  # None for the optimizer step's copies
     stage: int
     start_s: float
