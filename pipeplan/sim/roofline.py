@@ -36,9 +36,10 @@ BF16_OUT_BYTES = 2  # what an FP8 GEMM writes
 
 # FlashAttention-2's causal forward on an H100 SXM5 in bf16, TFLOP/s as labelled on the bars of Shah et al. 2024,
 # "FlashAttention-3", arXiv 2407.08608, Figure 5 (causal, head dim 64 and 128; B x S = 16k tokens, H x D = 2048),
-# per sequence length. The paper's backward (non-causal only, Figure 6) follows the same curve within ~6%
-# (d = 128: 214, 260, 291, 310, 318, 322), so one curve serves both passes. Head dims beyond 128 fall off as the
-# non-causal forward's d = 256 over d = 128 (Figure 5: 208/309 ... 298/370), the only d = 256 series published.
+# per sequence length (read from a transcription of the bar labels). The paper's backward (non-causal only,
+# Figure 6) follows the same curve within ~6% (d = 128: 214, 260, 291, 310, 318, 322), so one curve serves both
+# passes. Head dims beyond 128 fall off as the non-causal forward's d = 256 over d = 128 (Figure 5: 208/309 ...
+# 298/370), the only d = 256 series published.
 FLASH_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 FLASH_CAUSAL_TFLOPS = {64: (180, 229, 262, 284, 295, 299), 128: (191, 260, 298, 319, 333, 335)}
 FLASH_NONCAUSAL_TFLOPS = {128: (309, 350, 362, 368, 370, 370), 256: (208, 251, 278, 293, 297, 298)}
