@@ -14,8 +14,9 @@ from pipeplan.sim.config import load_scenario, parse_scenario
 from pipeplan.sim.cost_model import bytes_per_param, device_spec, p2p_transfer_s
 from pipeplan.sim.costs import build_cost_table
 from pipeplan.sim.errors import ScenarioError
+from pipeplan.sim.layer_ops import attention_core_s
 from pipeplan.sim.layer_split import balanced_split, even_split
-from pipeplan.sim.roofline import gemm_efficiency, wave_efficiency
+from pipeplan.sim.roofline import FLASH_CAUSAL_TFLOPS, flash_shape_factor, gemm_efficiency, wave_efficiency
 from pipeplan.sim.step import simulate_scenario
 
 # GPT-3 175B as Korthikanti et al. Table 3 run it: a = 96, h = 12288, L = 96, s = 2048, t = 8, p = 8, b = 1
@@ -164,7 +165,7 @@ def test_hf_config_json_fills_the_model(tmp_path):
     sc = load_scenario(tmp_path / "s.toml", {"model.seq_len": 4096})
     assert sc.model.seq_len == 4096  # explicit keys win
     (tmp_path / "bad.toml").write_text('[pipeline]\nstages = 1\nmicrobatches = 1\n[model]\nconfig = "nope.json"\n')
-    with pytest.raises(ScenarioError, match=r"model\.config: file .*nope\.json not found"):
+    with pytest.raises(ScenarioError, match=r"model\.config .*nope\.json: file not found"):
         load_scenario(tmp_path / "bad.toml")
 
 
@@ -300,6 +301,27 @@ def test_eager_attention_is_slower_and_keeps_more_than_flash():
     eager = build_cost_table(gpt())
     assert (eager.forward_s > flash.forward_s).all()
     assert (eager.activation_bytes > flash.activation_bytes).all()
+
+
+def test_flash_shape_factor_reproduces_the_published_curve():
+    # FlashAttention-3 paper Figure 5, FA2 causal forward on H100: each bar over the d = 128, 16k bar.
+    for d, series in FLASH_CAUSAL_TFLOPS.items():
+        for s, tflops in zip((512, 1024, 2048, 4096, 8192, 16384), series, strict=True):
+            assert flash_shape_factor(d, s) == pytest.approx(tflops / 335)
+    assert flash_shape_factor(96, 2048) == pytest.approx((262 + 298) / 2 / 335)  # linear in d between 64, 128
+    assert flash_shape_factor(256, 16384) == pytest.approx(298 / 370)  # d = 256's fall-off, non-causal series
+    assert flash_shape_factor(32, 256) == flash_shape_factor(64, 512)  # held flat outside the data
+
+
+def test_flash_attention_at_equal_flops_is_slower_with_more_smaller_heads():
+    # Same hidden size (same attention FLOPs), head dim 128 -> 64: the core runs 0.88-0.89x as fast.
+    h100 = {"preset": "H100-SXM-80GB"}
+    wide = gpt(model={"heads": 96}, training={"attention": "flash"}, device=h100)
+    narrow = gpt(model={"heads": 192}, training={"attention": "flash"}, device=h100)
+    (fw, bw), (fn, bn) = (attention_core_s(sc, device_spec(sc)) for sc in (wide, narrow))
+    ratio = flash_shape_factor(128, 2048) / flash_shape_factor(64, 2048)
+    assert fn / fw == pytest.approx(ratio) and bn / bw == pytest.approx(ratio)
+    assert 1.1 < ratio < 1.2
 
 
 def test_fp8_needs_a_device_with_fp8():

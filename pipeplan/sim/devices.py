@@ -50,6 +50,8 @@ class DevicePreset(BaseModel):
     attention_efficiency: Share
     fp8_tflops: Pos | None = None
     """Dense FP8 peak; omitted for parts without FP8 tensor cores."""
+    fp8_gemm_ratio: Share | None = None
+    """An FP8 GEMM's share of the FP8 peak over a bf16 GEMM's share of the bf16 peak (devices.toml cites it)."""
     nvlink_gbps: Pos
     nvlink_latency_us: NonNeg
     nic_gbps: Pos

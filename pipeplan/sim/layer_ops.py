@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pipeplan.sim.activations import DTYPE_BYTES, LSE_BYTES, MASK_BYTES, mlp_widths, sequence_divisor
 from pipeplan.sim.comm import Link
 from pipeplan.sim.config import Scenario
-from pipeplan.sim.roofline import DeviceSpec, attention_s, gemm_s, kernels_s, memory_bound_s
+from pipeplan.sim.roofline import DeviceSpec, attention_s, flash_shape_factor, gemm_s, kernels_s, memory_bound_s
 from pipeplan.sim.tp_comm import collective_s, head_collectives, layer_collectives, pass_with_comm_s
 
 FLASH_BACKWARD = 2.5  # FlashAttention-2 (Dao 2023): backward does 5 matmuls to the forward's 2
@@ -250,7 +250,8 @@ def _attention_s(sc: Scenario, dev: DeviceSpec) -> tuple[float, float]:
     flops = _attention_flops(sc)
     if tr.attention == "flash":
         io = e * b * s * (2 * h + 2 * h_kv) / t  # Q, K, V in, O out
-        return attention_s(flops, io, dev), attention_s(FLASH_BACKWARD * flops, 2 * io, dev)
+        shape = flash_shape_factor(d, s)  # short sequences and small heads run below the asymptote
+        return attention_s(flops, io, dev, shape), attention_s(FLASH_BACKWARD * flops, 2 * io, dev, shape)
     heads = b * a / t
     scores = e * a * s * s * b / t
     drop = (2 * e + MASK_BYTES) * a * s * s * b / t if tr.dropout > 0 else 0.0

@@ -8,7 +8,9 @@ TILE_M x TILE_N blocks, one per SM at a time, so a GEMM of T tiles runs ceil(T /
 T / (ceil(T / SMs) * SMs) of the SMs (NVIDIA, "Matrix Multiplication Background User's Guide", sections
 "Tile Quantization" and "Wave Quantization"). Small GEMMs (few tiles, or small K so that bytes dominate)
 therefore run well below the asymptote and large ones approach it: the efficiency rises with GEMM size.
-Attention runs as one fused kernel on its own curve (`attention_efficiency`, FlashAttention-2/-3 papers).
+Attention runs as one fused kernel on its own curve: the device's `attention_efficiency` (its long-sequence,
+head-dim-128 asymptote, FlashAttention-2/-3 papers) times `flash_shape_factor(head_dim, seq_len)`, the published
+kernel throughput at that shape over the asymptote's (shorter sequences and smaller heads run slower).
 Element-wise work (norms, activations, dropout, residual adds, RoPE) is memory-bound: bytes / bandwidth.
 
 FP8 GEMMs (`DeviceSpec.fp8`) run at the device's dense FP8 rate times `fp8_gemm_ratio`: the share of the bf16
@@ -31,6 +33,16 @@ TILE_M, TILE_N = 256, 128
 # torchao/testing/float8/roofline_utils.py KERNEL_LAUNCH_OVERHEAD_SEC = 0.002 ms); floors each cast kernel.
 KERNEL_FLOOR_S = 2e-6
 BF16_OUT_BYTES = 2  # what an FP8 GEMM writes
+
+# FlashAttention-2's causal forward on an H100 SXM5 in bf16, TFLOP/s as labelled on the bars of Shah et al. 2024,
+# "FlashAttention-3", arXiv 2407.08608, Figure 5 (causal, head dim 64 and 128; B x S = 16k tokens, H x D = 2048),
+# per sequence length (read from a transcription of the bar labels). The paper's backward (non-causal only,
+# Figure 6) follows the same curve within ~6% (d = 128: 214, 260, 291, 310, 318, 322), so one curve serves both
+# passes. Head dims beyond 128 fall off as the non-causal forward's d = 256 over d = 128 (Figure 5: 208/309 ...
+# 298/370), the only d = 256 series published.
+FLASH_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+FLASH_CAUSAL_TFLOPS = {64: (180, 229, 262, 284, 295, 299), 128: (191, 260, 298, 319, 333, 335)}
+FLASH_NONCAUSAL_TFLOPS = {128: (309, 350, 362, 368, 370, 370), 256: (208, 251, 278, 293, 297, 298)}
 
 
 @dataclass(frozen=True)
@@ -93,9 +105,32 @@ def gemm_s(m: float, n: float, k: float, e: int, dev: DeviceSpec, count: float =
     return count * max(compute, memory)
 
 
-def attention_s(flops: float, nbytes: float, dev: DeviceSpec) -> float:
-    """A fused attention kernel doing `flops` and moving `nbytes`."""
-    eff = dev.flat_efficiency if dev.flat_efficiency is not None else dev.attention_efficiency
+def _interp_seq(series: tuple[int, ...], seq_len: float) -> float:
+    """A published series at seq_len: linear in log2(seq_len), held flat outside 512..16k."""
+    x = min(max(math.log2(max(seq_len, 1.0)), math.log2(FLASH_SEQ_LENS[0])), math.log2(FLASH_SEQ_LENS[-1]))
+    xs = [math.log2(v) for v in FLASH_SEQ_LENS]
+    i = min(max(0, sum(1 for v in xs if v <= x) - 1), len(xs) - 2)
+    w = (x - xs[i]) / (xs[i + 1] - xs[i])
+    return series[i] * (1 - w) + series[i + 1] * w
+
+
+def flash_shape_factor(head_dim: float, seq_len: float) -> float:
+    """Flash attention's throughput at (head_dim, seq_len) over its d = 128, 16k asymptote (FLASH_* tables):
+    0.54 at d = 64, s = 512; 0.89 at d = 128, s = 2048; 1 at d = 128, s >= 16k. Below d = 64 held at 64's."""
+    asymptote = FLASH_CAUSAL_TFLOPS[128][-1]
+    at64, at128 = (_interp_seq(FLASH_CAUSAL_TFLOPS[d], seq_len) for d in (64, 128))
+    if head_dim <= 128:
+        w = (min(max(head_dim, 64), 128) - 64) / 64
+        return (at64 * (1 - w) + at128 * w) / asymptote
+    drop = _interp_seq(FLASH_NONCAUSAL_TFLOPS[256], seq_len) / _interp_seq(FLASH_NONCAUSAL_TFLOPS[128], seq_len)
+    w = (min(head_dim, 256) - 128) / 128
+    return at128 * (1 - w + w * drop) / asymptote
+
+
+def attention_s(flops: float, nbytes: float, dev: DeviceSpec, shape: float = 1.0) -> float:
+    """A fused attention kernel doing `flops` and moving `nbytes`, at `shape` (flash_shape_factor) of the
+    device's attention asymptote; a scenario's flat efficiency replaces both."""
+    eff = dev.flat_efficiency if dev.flat_efficiency is not None else dev.attention_efficiency * shape
     return max(flops / (dev.peak_flops * eff), nbytes / dev.hbm_bps)
 
 
