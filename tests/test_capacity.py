@@ -503,7 +503,8 @@ def test_the_planner_bounds_orders_lazily_best_first_and_finds_the_best_plan(mon
     monkeypatch.setattr(capacity, "planner_bound", fake_bound)
     small = {"pipeline.stages": 4, "pipeline.microbatches": 8}
     policy, layers = POLICIES["chronos+recomp+offload"], 32
-    ev = capacity._evaluate_joint(SEVENTY, small, policy, layers, {})
+    said: list[str] = []  # the progress line: which order's LP bound or MILP runs, and what it planned
+    ev = capacity._evaluate_joint(SEVENTY, small, policy, layers, {}, say=said.append)
     timed = timed_own_caps(SEVENTY, small, 4, 8, layers)
     variants = capacity.chronos_variants(4, 8, layers, timed, policy.interleaved_v)
     planned = [v for v in variants if planned_variant(4, 8, v, timed)]
@@ -512,3 +513,6 @@ def test_the_planner_bounds_orders_lazily_best_first_and_finds_the_best_plan(mon
               .result.tokens_per_s for v in planned]
     assert ev.result.tokens_per_s == max(every)
     assert 1 <= len(bounded) < len(planned)
+    assert sum(line.endswith(": LP bound") for line in said) == len(bounded)
+    assert any(": MILP (bound " in line for line in said) and any(" tokens/s" in line for line in said)
+    assert all(line.startswith(f"chronos+recomp+offload at {layers} layers, v=") for line in said)
