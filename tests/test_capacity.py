@@ -516,3 +516,20 @@ def test_the_planner_bounds_orders_lazily_best_first_and_finds_the_best_plan(mon
     assert sum(line.endswith(": LP bound") for line in said) == len(bounded)
     assert any(": MILP (bound " in line for line in said) and any(" tokens/s" in line for line in said)
     assert all(line.startswith(f"chronos+recomp+offload at {layers} layers, v=") for line in said)
+
+
+def _talking_job(n: int, say) -> int:
+    """A worker's evaluation stand-in: says three lines, returns a number."""
+    for i in range(3):
+        say(f"job {n} line {i}")
+    return 10 * n
+
+
+def test_worker_processes_report_progress_as_they_go():
+    """What workers say (the policy, depth, order and MILP of the evaluation they run) reaches the parent's
+    progress display, every line, through the managed queue."""
+    from pipeplan.solver.capacity import _in_workers
+
+    heard: list[str] = []
+    assert dict(_in_workers(2, {n: (_talking_job, (n,)) for n in range(3)}, heard.append)) == {0: 0, 1: 10, 2: 20}
+    assert sorted(heard) == sorted(f"job {n} line {i}" for n in range(3) for i in range(3))

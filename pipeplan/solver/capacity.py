@@ -37,6 +37,7 @@ import signal
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
+from multiprocessing.managers import SyncManager
 from typing import Any, Protocol
 
 import numpy as np
@@ -588,6 +589,14 @@ class _Teller:
         self.queue.put(line)
 
 
+def _quiet_manager(context: Any) -> SyncManager:
+    """A started manager (for the workers' progress queue) that ignores Ctrl-C like the workers: the parent
+    stops it, after the workers, so a worker's last line never meets a dead queue."""
+    manager = SyncManager(ctx=context)
+    manager.start(signal.signal, (signal.SIGINT, signal.SIG_IGN))
+    return manager
+
+
 def _in_workers(jobs: int, calls: dict[Hashable, tuple[Callable, tuple]], say: Say | None = None
                 ) -> Iterator[tuple[Hashable, Any]]:
     """Run each `key: (function, args)` in up to `jobs` fresh worker processes and yield (key, result) as each
@@ -597,7 +606,7 @@ def _in_workers(jobs: int, calls: dict[Hashable, tuple[Callable, tuple]], say: S
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(jobs, len(calls)), mp_context=context,
                              initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as pool, \
-            (context.Manager() if say else contextlib.nullcontext()) as manager:
+            (_quiet_manager(context) if say else contextlib.nullcontext()) as manager:
         queue = manager.Queue() if say else None
         teller = _Teller(queue) if say else None
         try:
