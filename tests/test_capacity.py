@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
+import numpy as np
 import pandas as pd
 import pytest
 from pipeplan.scenarios import scenario_path
 
-from pipeplan.analysis.capacity import POLICIES, Evaluation, max_layers
 from pipeplan.analysis.cli import main
 from pipeplan.sim.config import load_scenario
+from pipeplan.solver.capacity import POLICIES, Evaluation, max_layers
 
 SEVENTY = str(scenario_path("llama2-70b-48l-pp8-tp8-a100"))
 TINY = str(scenario_path("tiny-cpu"))
@@ -140,7 +142,7 @@ def test_joint_chronos_is_at_least_every_v_schedule_and_memory_policy():
     and stash limit at v = 2), as are ZB-V's, 1F1B's and interleaved 1F1B's, and
     the planner may choose any fixed treatment, so none can beat the joint choice (beyond the MILP's 1%
     gap); and the wider search is strictly faster than V-Half where both fit."""
-    from pipeplan.analysis.capacity import POLICIES, PolicyDepths
+    from pipeplan.solver.capacity import POLICIES, PolicyDepths
 
     small = {"pipeline.stages": 4, "pipeline.microbatches": 8}
     bounds: dict = {}
@@ -167,7 +169,7 @@ def test_chronos_takes_the_loop_placed_orders_where_a_v_holds_too_much_on_rank_0
     search tries their orders too, so `chronos` is at least both (before: 14,122 against 23,308 tokens/s at 40
     layers, and no fit at 44); at 40 layers interleaved 1F1B's order at v = 4 (more chunks per rank, a
     smaller bubble) fits too and is strictly faster than the interleaved policy's v = 2."""
-    from pipeplan.analysis.capacity import POLICIES, evaluate
+    from pipeplan.solver.capacity import POLICIES, evaluate
 
     for layers, other, chosen in ((40, "interleaved-1f1b", "v=4 interleaved-1f1b"), (44, "1f1b", "v=1 1f1b")):
         ref = evaluate(None, {}, POLICIES[other], layers)
@@ -182,9 +184,9 @@ def test_chronos_takes_the_loop_placed_orders_where_a_v_holds_too_much_on_rank_0
 def test_v_half_s_order_is_one_of_the_chronos_variants():
     """What makes `chronos` >= `v-half` hold by construction: V-Half's cap as admission cap and stash limit at
     v = 2 is a variant the joint search tries, and it builds exactly v-half's order."""
-    from pipeplan.analysis.capacity import chronos_variants
     from pipeplan.sim.schedules import build_schedule
     from pipeplan.sim.schedules.v_shape import v_half_limit
+    from pipeplan.solver.capacity import chronos_variants
 
     for p, m in [(3, 6), (4, 8), (8, 32)]:
         half = v_half_limit(p)
@@ -197,14 +199,14 @@ def test_the_joint_search_builds_every_order_on_both_clocks_and_plans_the_caps_u
     """With chronos' own cap on the step's costs given per v, each order is tried on unit costs and on the
     step's costs; the MILP runs on the caps from V-Half's up to the order's own clock's chronos cap, with or
     without a W stash, and on a full B's own cap."""
-    from pipeplan.analysis.capacity import (
+    from pipeplan.sim.schedules.v_shape import chronos_plan
+    from pipeplan.solver.capacity import (
         chronos_variants,
         planned_variant,
         standard_orders,
         timed_own_caps,
         variant_label,
     )
-    from pipeplan.sim.schedules.v_shape import chronos_plan
 
     p, m = 4, 8
     timed = timed_own_caps(None, {"pipeline.stages": p, "pipeline.microbatches": m}, p, m, 4 * p)
@@ -237,7 +239,7 @@ def test_the_lp_bound_skips_only_plans_that_cannot_win():
     """p = 4, m = 8: the planner's bound from its MILP's LP relaxation is never below what the MILP's plan runs
     in simulation (0 exactly when no plan fits), so skipping the orders it rules out keeps the answer of the
     search that plans every one of them."""
-    from pipeplan.analysis.capacity import (
+    from pipeplan.solver.capacity import (
         KEEP,
         POLICIES,
         Policy,
@@ -275,8 +277,9 @@ def test_the_lp_bound_skips_only_plans_that_cannot_win():
 def test_a_timed_out_milp_is_reported_not_counted_as_no_fit(monkeypatch):
     """The MILP's safety time limit says nothing about the depth: the evaluation is `unknown`, and the capacity
     row says its max_layers is a lower bound and where the search was cut, instead of a silent "no fit"."""
-    import pipeplan.analysis.capacity as capacity
-    from pipeplan.analysis.capacity import POLICIES, capacity_table, evaluate
+    import pipeplan.solver.capacity as capacity
+    from pipeplan.analysis.capacity import capacity_table
+    from pipeplan.solver.capacity import POLICIES, evaluate
     from pipeplan.solver.errors import SolverTimeoutError
 
     real = capacity.resolve_memory_plan
@@ -301,7 +304,7 @@ def test_the_stash_moving_policy_is_opt_in_and_plans_where_the_default_planner_d
     """`chronos+recomp+offload+stash` runs only when named (its MILPs take tens of seconds at deep depths), and
     on a small case it fits wherever `chronos+recomp+offload` does, at a speed within the MILP's 1% gap of it
     or better (its plan space holds the other's)."""
-    from pipeplan.analysis.capacity import DEFAULT_POLICIES, POLICIES, PolicyDepths
+    from pipeplan.solver.capacity import DEFAULT_POLICIES, POLICIES, PolicyDepths
 
     stash = POLICIES["chronos+recomp+offload+stash"]
     assert stash.name not in DEFAULT_POLICIES and "chronos+recomp+offload" in DEFAULT_POLICIES
@@ -318,7 +321,7 @@ def test_the_layer_copy_policy_is_opt_in_and_at_least_as_fast():
     """`chronos+recomp+offload+stash+layers` runs only when named; on the small case it fits where the stash
     policy does, and no slower beyond the planner's 2% (layer-wise copies never delay a step, and its MILP
     prices them)."""
-    from pipeplan.analysis.capacity import DEFAULT_POLICIES, POLICIES, PolicyDepths
+    from pipeplan.solver.capacity import DEFAULT_POLICIES, POLICIES, PolicyDepths
 
     layers, stash = POLICIES["chronos+recomp+offload+stash+layers"], POLICIES["chronos+recomp+offload+stash"]
     assert layers.name not in DEFAULT_POLICIES and layers.overrides["memory.copy_granularity"] == "layer"
@@ -333,7 +336,7 @@ def test_chronos_fits_2_4x_plain_1f1b_s_depth_at_95_percent_of_its_per_layer_thr
     """Issue #18's first target on the shipped ChronosPipe setting (docs/memory.md): plain 1F1B's deepest fit is
     32 layers; at 80 (2.5×) the default planner's plan on chronos' v = 4, cap-24 order built on the step's costs
     fits HBM on every rank and runs ≥ 95% of 1F1B's per-layer throughput (0.972 when measured)."""
-    from pipeplan.analysis.capacity import POLICIES, Policy, evaluate, variant_label
+    from pipeplan.solver.capacity import POLICIES, Policy, evaluate, variant_label
 
     plain = evaluate(SEVENTY, {}, POLICIES["1f1b"], 32)
     assert plain.fits and not evaluate(SEVENTY, {}, POLICIES["1f1b"], 48).fits
@@ -402,7 +405,8 @@ def test_micro_batch_sizes_are_checked_before_any_work(tmp_path, capsys):
 def test_interleaved_v_widens_the_joint_policies_loop_placed_orders(tmp_path):
     """--interleaved-v 2,3,4,6: the joint chronos policies also try interleaved 1F1B's order at v = 6 (planned,
     labelled), the other policies are untouched, and the journal keeps the two searches apart."""
-    from pipeplan.analysis.capacity import (
+    from pipeplan.analysis.capacity_journal import Journal
+    from pipeplan.solver.capacity import (
         INTERLEAVED_V,
         PolicyDepths,
         chronos_variants,
@@ -411,7 +415,6 @@ def test_interleaved_v_widens_the_joint_policies_loop_placed_orders(tmp_path):
         timed_own_caps,
         variant_label,
     )
-    from pipeplan.analysis.capacity_journal import Journal
 
     p, m, layers = 4, 8, 24
     six = {"pipeline.schedule": "interleaved-1f1b", "pipeline.virtual_stages": 6}
@@ -433,7 +436,7 @@ def test_interleaved_v_widens_the_joint_policies_loop_placed_orders(tmp_path):
 def test_the_planner_recomputes_the_norms_only_where_that_frees_them():
     """memory.recompute_norms in the planner's policies, dropped once per run where torch's TP keeps gathered
     norm outputs (tp_style "dtensor" with SP), which the scenario would refuse the flag for."""
-    from pipeplan.analysis.capacity import resolved_policy
+    from pipeplan.solver.capacity import resolved_policy
 
     plain = resolved_policy("chronos+recomp+offload", load_scenario(SEVENTY))
     gathered = resolved_policy("chronos+recomp+offload", load_scenario(
@@ -461,3 +464,72 @@ def test_interleaved_v_is_checked_before_any_work(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("--interleaved-v: ") == 3 and "give chunks per rank from 2 to 32" in err
     assert len(err.strip().splitlines()) == 3 and "Traceback" not in err and not any(tmp_path.iterdir())
+
+
+def test_the_planner_bounds_orders_lazily_best_first_and_finds_the_best_plan(monkeypatch):
+    """With made-up speeds (every order's keep-everything step, fitting or not, its MILP's plan, and an LP bound
+    between the two),
+    the joint search returns the fastest of every kept and every planned candidate, as planning every order
+    would, while it solves the LP bound only for the orders that reach the head of its queue."""
+    import zlib
+
+    import pipeplan.solver.capacity as capacity
+    from pipeplan.solver.capacity import POLICIES, Evaluation, Outcome, planned_variant, timed_own_caps
+
+    def speed(var: dict, salt: str) -> float:  # deterministic, distinct per order
+        return 1000.0 + zlib.crc32((salt + repr(sorted(var.items()))).encode()) % 1000
+
+    def keep_fits(var: dict) -> bool:  # keeping everything fits in a quarter of the orders, and they are slow
+        return speed(var, "fits") % 4 == 0
+
+    def keep_speed(var: dict) -> float:
+        return speed(var, "keep") % 200 + (1000.0 if keep_fits(var) else 1500.0)
+
+    def fake_evaluate(sc_path, overrides, policy, layers, bounds=None, floor=0.0, say=None):
+        var = {k: v for k, v in overrides.items() if k.startswith("pipeline.")}
+        fits = policy.planner or keep_fits(var)
+        tps = keep_speed(var) - (speed(var, "cut") % 300 if policy.planner else 0.0)
+        return Evaluation(layers, fits, Outcome(tps, 1.0, None, np.zeros(1), not fits))
+
+    bounded = []
+
+    def fake_bound(sc_path, overrides, policy, layers, keep):
+        var = {k: v for k, v in overrides.items() if k.startswith("pipeline.")}
+        bounded.append(repr(sorted(var.items())))
+        planned = fake_evaluate(sc_path, overrides, policy, layers).result.tokens_per_s
+        return planned + (keep.tokens_per_s - planned) * (speed(var, "bound") % 100) / 100  # in [planned, keep]
+
+    monkeypatch.setattr(capacity, "evaluate", fake_evaluate)
+    monkeypatch.setattr(capacity, "planner_bound", fake_bound)
+    small = {"pipeline.stages": 4, "pipeline.microbatches": 8}
+    policy, layers = POLICIES["chronos+recomp+offload"], 32
+    said: list[str] = []  # the progress line: which order's LP bound or MILP runs, and what it planned
+    ev = capacity._evaluate_joint(SEVENTY, small, policy, layers, {}, say=said.append)
+    timed = timed_own_caps(SEVENTY, small, 4, 8, layers)
+    variants = capacity.chronos_variants(4, 8, layers, timed, policy.interleaved_v)
+    planned = [v for v in variants if planned_variant(4, 8, v, timed)]
+    every = [keep_speed({**small, **v}) for v in variants if keep_fits({**small, **v})]
+    every += [fake_evaluate(SEVENTY, {**small, **v}, replace(policy, overrides={"memory.plan": True}), layers)
+              .result.tokens_per_s for v in planned]
+    assert ev.result.tokens_per_s == max(every)
+    assert 1 <= len(bounded) < len(planned)
+    assert sum(line.endswith(": LP bound") for line in said) == len(bounded)
+    assert any(": MILP (bound " in line for line in said) and any(" tokens/s" in line for line in said)
+    assert all(line.startswith(f"chronos+recomp+offload at {layers} layers, v=") for line in said)
+
+
+def _talking_job(n: int, say) -> int:
+    """A worker's evaluation stand-in: says three lines, returns a number."""
+    for i in range(3):
+        say(f"job {n} line {i}")
+    return 10 * n
+
+
+def test_worker_processes_report_progress_as_they_go():
+    """What workers say (the policy, depth, order and MILP of the evaluation they run) reaches the parent's
+    progress display, every line, through the managed queue."""
+    from pipeplan.solver.capacity import _in_workers
+
+    heard: list[str] = []
+    assert dict(_in_workers(2, {n: (_talking_job, (n,)) for n in range(3)}, heard.append)) == {0: 0, 1: 10, 2: 20}
+    assert sorted(heard) == sorted(f"job {n} line {i}" for n in range(3) for i in range(3))

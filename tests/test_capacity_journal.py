@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from pipeplan.scenarios import scenario_path
 
-import pipeplan.analysis.capacity as capacity
+import pipeplan.solver.capacity as capacity
 from pipeplan.analysis.capacity import capacity_table, frontier_table
 from pipeplan.analysis.capacity_journal import JOURNAL, Journal
 from pipeplan.analysis.cli import main

@@ -101,11 +101,49 @@ def test_csv_microbatches_must_match_the_scenario():
         Schedule.from_csv_text(build_schedule("1f1b", 2, 2).to_csv_text(), num_microbatches=4)
 
 
-def test_torch_comms_csv_is_refused():
-    with pytest.raises(ScheduleError, match="'0SEND_F0': expected"):
-        Schedule.from_csv_text("0F0,0SEND_F0,0B0\n")
+def test_torch_comms_cells_carry_no_compute():
+    assert Schedule.from_csv_text("0UNSHARD,0F0,0SEND_F0,0RECV_B0,0B0,0REDUCE_GRAD,0RESHARD\n") == \
+        Schedule.from_csv_text("0F0,0B0\n")
 
 
 def test_unreadable_csv_names_the_flag(tmp_path: Path):
     with pytest.raises(ScheduleError, match=r"--schedule-csv .*missing\.csv: cannot read"):
         Schedule.read_csv(tmp_path / "missing.csv")
+
+
+def torch_schedules():
+    """torch 2.13's schedule classes that write a compute_comms CSV, with the sizes they take."""
+    multi = [ts.ScheduleInterleaved1F1B, ts.ScheduleLoopedBFS, ts.ScheduleInterleavedZeroBubble]
+    cases = [(cls, p, m, v) for cls in multi for p, m in [(2, 4), (4, 8), (3, 5)] for v in (1, 2)]
+    cases += [(cls, p, m, 2) for cls in (ts.ScheduleZBVZeroBubble, ts.ScheduleDualPipeV)
+              for p, m in [(2, 4), (4, 8), (3, 6)]]
+    return cases
+
+
+@pytest.mark.parametrize(("cls", "p", "m", "v"), torch_schedules(),
+                         ids=lambda x: x.__name__ if isinstance(x, type) else str(x))
+def test_we_load_torch_compute_comms_csv(cls, p, m, v, tmp_path: Path):
+    """torch's default `_dump_csv` format: transfers, UNSHARD/RESHARD and REDUCE_GRAD cells drop out, an
+    OVERLAP_F_B reads as its sub-actions; the compute order is torch's own, and the engine runs it."""
+    from pipeplan.sim.engine import simulate
+    from tests.conftest import make_costs
+
+    sched = cls(stand_in_stages(p, p * v, v), m)
+    comms, only = tmp_path / "comms.csv", tmp_path / "only.csv"
+    sched._dump_csv(str(comms))  # torch's default: compute_comms
+    text = comms.read_text()
+    assert "UNSHARD" in text and "SEND_F" in text
+    read = Schedule.read_csv(comms, num_microbatches=m)
+    expected = [[a for x in sched.pipeline_order[r] if x is not None
+                 for a in (x.sub_actions or (x,))] for r in range(p)]
+    assert [[str(a) for a in row] for row in read.ranks] == [[str(a) for a in row] for row in expected]
+    if "OVERLAP_F_B" not in text:
+        sched._dump_csv(str(only), format="compute_only")
+        assert Schedule.read_csv(only) == read
+    res = simulate(read, make_costs(p, v, m))
+    assert res.makespan_s > 0 and len(res.kind) == sum(map(len, read.ranks))
+
+
+def test_an_unsupported_torch_cell_names_the_formats_that_load():
+    with pytest.raises(ScheduleError, match=r"'0X1': expected .*compute_only' or 'compute_comms'"):
+        Schedule.from_csv_text("0F0,0X1,0B0\n")

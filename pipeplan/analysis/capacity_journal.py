@@ -5,9 +5,10 @@ evaluates only the depths it has not seen.
 
 A line is used only under the inputs that made it: its key hashes the resolved scenario (with `--set`), the
 policy's definition, the micro-batch sizes and the code that evaluates (pipeplan's version, the sources of sim/,
-solver/, common/ and analysis/capacity.py, highspy's version). A changed scenario or planner never returns a
+solver/ (the capacity search, solver/capacity.py, included), common/ and analysis/capacity.py, highspy's
+version). A changed scenario or planner never returns a
 stale answer; it evaluates again. Floats are written with `repr` precision, so a resumed run's outputs are
-byte-identical to an uninterrupted one's. What an evaluation holds is analysis.capacity's business
+byte-identical to an uninterrupted one's. What an evaluation holds is solver.capacity's business
 (`Evaluation.to_json`); this module keeps JSON records by key and depth.
 """
 
@@ -88,6 +89,11 @@ class Journal:
                                       f"writes (at most {MAX_JOURNAL_BYTES // 2**20} MiB); move it away to start "
                                       "afresh")
         return self
+
+    def key(self, sc_path: str | None, overrides: dict[str, Any], policy: dict[str, Any],
+            sizes: tuple[int, ...]) -> str:
+        """The key of one policy's evaluations (depth_key; solver.capacity.EvaluationJournal)."""
+        return depth_key(sc_path, overrides, policy, sizes)
 
     def entries(self, key: str) -> dict[int, dict[str, Any]]:
         """Every evaluation journaled under `key` (as written: JSON data with its "layers"), by depth."""

@@ -4,6 +4,20 @@ An action is (stage, kind, microbatch) with kind F (forward), B (full backward),
 or W (backward for weights); `str(Action(1, Kind.F, 0)) == "1F0"`, exactly torch's `_Action` repr. A
 schedule's CSV has one row per rank, e.g. `0F0,0F1,0B0,...`, as written by torch's `_dump_csv` and read by
 its `_load_csv`; empty cells (torch's idle steps) are ignored on read.
+
+torch's `_PipelineScheduleRuntime._dump_csv` writes by default the `compute_comms` format, the same rows with
+the runtime's communication and bookkeeping cells between the compute actions. Reading it keeps the
+compute actions in their order and drops what the simulator derives or prices elsewhere:
+    SEND_F, RECV_F, SEND_B, RECV_B   the P2P transfers: the engine derives every one from the data
+                                     dependencies (sim.graph) and times it on its FIFO link (p2p_s)
+    UNSHARD, RESHARD                 FSDP's parameter all-gather and free for a stage: no-ops without FSDP;
+                                     with ZeRO-3 the cost model prices the gathers per pass (sim.costs)
+    REDUCE_GRAD                      the stage's gradient reduction after its last backward: the optimizer
+                                     step's data-parallel tail prices it (sim/data_parallel.py)
+    (aFm;bBn)OVERLAP_F_B             DualPipe's forward of one stage overlapped with a backward of another:
+                                     read as its sub-actions in that order, run one after the other (the
+                                     engine has one compute stream per rank, so the overlap's gain is not
+                                     modelled; the step is an upper bound on what the overlap achieves)
 """
 
 from __future__ import annotations
@@ -33,6 +47,10 @@ class Kind(StrEnum):
 BACKWARD_KINDS = (Kind.B, Kind.I)  # consume the output gradient; free the forward's activations
 GRADIENT_KINDS = (Kind.B, Kind.W)  # finish a microbatch's weight gradient (what freezing skips)
 _ACTION_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
+# torch's compute_comms cells that carry no compute of their own (module docstring)
+_COMMS_RE = re.compile(r"^\d+(?:(?:SEND_F|RECV_F|SEND_B|RECV_B)\d+|UNSHARD|RESHARD|REDUCE_GRAD)$")
+_OVERLAP_RE = re.compile(r"^\((.*)\)OVERLAP_F_B$")
+FORMATS = "torch's _dump_csv, format 'compute_only' or 'compute_comms'"
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -52,9 +70,23 @@ class Action:
         m = _ACTION_RE.match(text.strip())
         if not m:
             shown = text.strip() if len(text.strip()) <= 24 else text.strip()[:21] + "..."
-            raise ScheduleError(f"schedule action {shown!r}: expected <stage><F|B|I|W><microbatch>, e.g. 0F3")
+            raise ScheduleError(f"schedule action {shown!r}: expected <stage><F|B|I|W><microbatch>, e.g. 0F3 "
+                                f"({FORMATS})")
         stage, microbatch = check_schedule_id(m.group(1), "stage"), check_schedule_id(m.group(3), "microbatch")
         return cls(stage, Kind(m.group(2)), microbatch)
+
+    @classmethod
+    def parse_cell(cls, text: str) -> tuple[Action, ...]:
+        """The compute actions of one CSV cell: one for `0F3`, none for a compute_comms transfer or
+        bookkeeping cell (`0SEND_F3`, `0UNSHARD`, `0REDUCE_GRAD`), the sub-actions of an `OVERLAP_F_B`
+        (module docstring); anything else is a ScheduleError naming the formats that load."""
+        cell = text.strip()
+        if _COMMS_RE.match(cell):
+            return ()
+        overlap = _OVERLAP_RE.match(cell)
+        if overlap:
+            return tuple(cls.parse(sub) for sub in overlap.group(1).split(";") if sub.strip())
+        return (cls.parse(cell),)
 
 
 @dataclass(frozen=True)
@@ -143,7 +175,8 @@ class Schedule:
 
     @classmethod
     def from_csv_text(cls, text: str, name: str = "csv", num_microbatches: int | None = None) -> Schedule:
-        """Read torch's one-row-per-rank CSV; the stage->rank mapping is read from where stages appear."""
+        """Read torch's one-row-per-rank CSV, compute_only or compute_comms (module docstring); the stage->rank
+        mapping is read from where stages appear."""
         from pipeplan.sim.limits import MAX_ACTIONS, check_schedule_size
 
         try:
@@ -156,7 +189,7 @@ class Schedule:
             raise ScheduleError("schedule csv: no rows; expected one row of actions per rank")
         if sum(map(len, rows)) > MAX_ACTIONS:
             raise ScheduleError(f"schedule csv: {sum(map(len, rows)):,} actions; the limit is {MAX_ACTIONS:,}")
-        ranks = tuple(tuple(Action.parse(c) for c in row) for row in rows)
+        ranks = tuple(tuple(a for c in row for a in Action.parse_cell(c)) for row in rows)
         top_stage = max((a.stage for r in ranks for a in r), default=0)
         top_mb = max((a.microbatch for r in ranks for a in r), default=0)
         check_schedule_size(top_stage + 1, top_mb + 1)  # before any list of that many stages

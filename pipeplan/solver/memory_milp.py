@@ -18,6 +18,9 @@ f_c forward seconds; A_c the chunk's activation bytes; m microbatches.
                                            "auto"; a share fixes it; 0 without a split backward); continuous:
                                            a stash is many tensors (two per linear layer and microbatch), so
                                            any share is a set of them to within one tensor
+                h_c ∈ [0, 1]               share of the chunk's non-layer activations E_c (embedding output,
+                                           LM head and loss) offloaded to DRAM with its layers'; 0 with
+                                           layer-wise copies (they move whole layers)
                 s_i >= 0 start times,  T makespan
     duration    D_i = w_i + f_c k_c + f'_c j_c for B/I of chunk c, else w_i; under ZeRO-3 without a pipeline,
                 whose B/I already waits ς_c on its parameter traffic (ChunkDetail.backward_comm_slack_s),
@@ -26,25 +29,28 @@ f_c forward seconds; A_c the chunk's activation bytes; m microbatches.
                                                                         MIP gap 1%)
     subject to  s_v >= s_u + D_u + delay_uv                                  every DAG edge
                 T >= s_i + D_i                                               the last action of every rank
-                k_c + j_c + d_c + n_c <= L_c,  k_c + j_c <= L_c z_c,  n_c <= L_c t_c,  d_c <= L_c (1 - t_c)
+                k_c + j_c + d_c + n_c <= L_c,  k_c + j_c <= L_c z_c,  n_c <= L_c t_c,  d_c <= L_c (1 - t_c),
+                h_c <= 1 - t_c
                 HBM at every position k of rank r, with N_kc microbatches of chunk c in flight and R_kc of
                 them resident (the current action's, the next `lookahead` backwards' (prefetched), the last two
-                forwards' (copies out may be unfinished)):
+                forwards' (copies out may be unfinished; at a forward, the last one: the engine gates a forward
+                on the copy two back)): an upper bound where the engine's timing ends a copy or starts a
+                prefetch sooner (docs/memory.md, tests/test_memory_brute_force.py):
                   S_r - y_r H_r + Σ_c [N_kc (A_c - (a_c - q_c) k_c - (a_c - q'_c) j_c)
-                                       - (N_kc - R_kc) a_c (d_c + n_c)]
+                                       - (N_kc - R_kc) (a_c (d_c + n_c) + E_c h_c)]
                   + max(ℓ_c, a_c z_c) [k is a B/I of c] - Σ_c o_c W_c [k inside a weight window of c]
                   + Σ_c [S_kc w_c - (S_kc - SR_kc) σ_c u_c] + Σ_c (D_kc g_c + F_kc o_c)  <=  capacity - margin
                 (ℓ_c: the loss's working set, last chunk only; freed before the first recomputation starts, so
                 the max, written ℓ_c + max(a_c - ℓ_c, 0) z_c);
                 S_kc: microbatches of c between their I's end and their W's end, each holding its W stash
                 w_c; SR_kc of them resident in full: the current W's, the next `lookahead` W's (prefetched), the
-                last two I's (stash copies out may be unfinished); D_kc: microbatches of c whose B/I has
-                ended, each leaving g_c until the step's end, and F_kc those whose F has started (the current
-                one included), each leaving o_c (torch pipelining's input gradients and stage outputs,
-                sim/p2p_buffers.py); after the last action, S_r - y_r H_r + Σ_c m (g_c + o_c) + the optimizer
-                step's working memory <= the same
-                copies, FIFO per rank and direction, x_c = a_c (d_c / bw_link + n_c / bw_nvme) per microbatch
-                after F, ξ_c = σ_c u_c / bw_link after I; j runs over the rank's F and I in its order:
+                last two I's (stash copies out may be unfinished; at an I, the last one); D_kc: microbatches
+                of c whose B/I has ended, each leaving g_c until the step's end, and F_kc those whose F has
+                started (the current one included), each leaving o_c (torch pipelining's input gradients and
+                stage outputs, sim/p2p_buffers.py); after the last action, S_r - y_r H_r + Σ_c m (g_c + o_c)
+                + the optimizer step's working memory <= the same
+                copies, FIFO per rank and direction, x_c = a_c (d_c / bw_link + n_c / bw_nvme) + E_c h_c / bw_link
+                per microbatch after F, ξ_c = σ_c u_c / bw_link after I; j runs over the rank's F and I in its order:
                   e_j >= s_j + D_j + x_j,  e_j >= e_(j-1) + x_j                        (copy out, FIFO)
                   s_F >= e of the F two forwards back,  s_I >= e of the I two I's back  (bounded pinned buffers)
                   p_b >= e_F(b) + x_c,  p_b >= s_(b - lookahead) + x_c,  p_b >= p_(b-1) + x_c,  s_b >= p_b
@@ -57,7 +63,9 @@ f_c forward seconds; A_c the chunk's activation bytes; m microbatches.
                      sim.memory.with_weight_offload's rule with α_c = 1 if c starts the step away
                      (sim.graph.starts_away): δ_c = 1 + α_c with a GPU optimizer (refresh the host copy,
                      bring α-chunks back for the update), δ_c = -α_c with a host optimizer (no weights-back)
-                host: Σ_c (N^max_c a_c d_c + S^max_c σ_c u_c + o_c W_c) + y_r H_r <= DRAM,
+                     and, its chunks' chains queueing FIFO on the rank's copy engines, every staircase
+                     through them (_step_copy_rows)
+                host: Σ_c (N^max_c (a_c d_c + E_c h_c) + S^max_c σ_c u_c + o_c W_c) + y_r H_r <= DRAM,
                       Σ_c N^max_c a_c n_c <= NVMe
 
 With memory.copy_granularity = "layer" (sim.graph.LayerCopy: a chunk's action takes w_i / L_c per layer after
@@ -152,6 +160,9 @@ class MemoryChoice:
     weights_offloaded: np.ndarray | None = None  # (chunks,) bool: bf16 weights off HBM in idle windows
     stash_layers: np.ndarray | None = None  # (chunks,): layers' worth of W stash (a real) in DRAM between I and W
     op_layers: np.ndarray | None = None  # (chunks,): layers under op-level selective recomputation (after the k)
+    # (chunks,): share in [0, 1] of the chunk's activations outside its layers (the last chunk's LM head and
+    # loss, the first chunk's embedding output) offloaded to DRAM with the layers' (0: kept in HBM)
+    head_share: np.ndarray | None = None
 
     @property
     def weight_mask(self) -> np.ndarray:
@@ -166,13 +177,18 @@ class MemoryChoice:
     def op_recompute_layers(self) -> np.ndarray:
         return or_zeros(self.op_layers, len(self.recompute_layers))
 
+    @property
+    def head_offload_share(self) -> np.ndarray:
+        return or_zeros(self.head_share, len(self.recompute_layers))
+
     def to_dict(self) -> dict[str, list]:
         return {"recompute_layers": [int(x) for x in self.recompute_layers],
                 "dram_layers": [int(x) for x in self.dram_layers], "nvme_layers": [int(x) for x in self.nvme_layers],
                 "states_on_host": [bool(x) for x in self.states_on_host],
                 "weights_offloaded": [bool(x) for x in self.weight_mask],
                 "stash_layers": [float(x) for x in self.stash_offload_layers],
-                "op_layers": [int(x) for x in self.op_recompute_layers]}
+                "op_layers": [int(x) for x in self.op_recompute_layers],
+                "head_share": [float(x) for x in self.head_offload_share]}
 
     @classmethod
     def from_dict(cls, d: dict[str, list]) -> MemoryChoice:
@@ -180,7 +196,8 @@ class MemoryChoice:
                    np.asarray(d["nvme_layers"], float), np.asarray(d["states_on_host"], bool),
                    np.asarray(d.get("weights_offloaded", [False] * len(d["recompute_layers"])), bool),
                    np.asarray(d.get("stash_layers", [0] * len(d["recompute_layers"])), float),
-                   np.asarray(d.get("op_layers", [0] * len(d["recompute_layers"])), float))
+                   np.asarray(d.get("op_layers", [0] * len(d["recompute_layers"])), float),
+                   np.asarray(d.get("head_share", [0] * len(d["recompute_layers"])), float))
 
 
 @dataclass(frozen=True)
@@ -254,12 +271,16 @@ def _away_positions(schedule: Schedule, lookahead: int) -> list[np.ndarray]:
 
 
 def _whole_per_chunk(held: dict, key: tuple[int, int], recent: list, users: list[int], actions: list, k: int,
-                     lookahead: int, n_chunks: int) -> np.ndarray:
+                     lookahead: int, n_chunks: int, gated: bool) -> np.ndarray:
     """Per chunk, how many of the `held` (activations or W stashes) are whole in HBM at position k even when
-    offloaded: the current action's, the last two copied out (possibly unfinished), and those whose user (a
-    position in `users`) lies within `lookahead` actions, already prefetched."""
+    offloaded: the current action's, the last two copied out (possibly unfinished; only the last one when the
+    action at k is `gated`, a producer that the engine starts only once the copy two producers back has
+    ended), and those whose user (a position in `users`) lies within `lookahead` actions, already
+    prefetched."""
     whole = {key} if key in held else set()
-    whole.update(x for x in recent[-PINNED_BUFFERS:] if x in held)  # their copies out may be unfinished
+    # at a forward or an I (gated by the pinned buffers) only the last copy out can still be in flight
+    in_flight = PINNED_BUFFERS - 1 if gated else PINNED_BUFFERS
+    whole.update(x for x in recent[-in_flight:] if x in held)  # their copies out may be unfinished
     whole.update((actions[j].stage, actions[j].microbatch) for j in users if k < j <= k + lookahead)
     vec = np.zeros(n_chunks)
     for s, _mb in whole & set(held):
@@ -291,7 +312,8 @@ def _positions(schedule: Schedule, lookahead: int, weights: bool = False, retain
             n_vec = np.zeros(n_chunks)
             for s, _mb in inflight:
                 n_vec[s] += 1
-            r_vec = _whole_per_chunk(inflight, key, recent_f, backwards, actions, k, lookahead, n_chunks)
+            r_vec = _whole_per_chunk(inflight, key, recent_f, backwards, actions, k, lookahead, n_chunks,
+                                     a.kind is Kind.F)
             rows_rank.append(r)
             rows_n.append(n_vec)
             rows_r.append(r_vec)
@@ -301,7 +323,8 @@ def _positions(schedule: Schedule, lookahead: int, weights: bool = False, retain
             for s, _mb in stashed:
                 s_vec[s] += 1
             rows_s.append(s_vec)
-            rows_sr.append(_whole_per_chunk(stashed, key, recent_i, w_nodes, actions, k, lookahead, n_chunks))
+            rows_sr.append(_whole_per_chunk(stashed, key, recent_i, w_nodes, actions, k, lookahead, n_chunks,
+                                            a.kind is Kind.I))
             rows_f.append(started.copy() if retained else np.zeros(n_chunks))
             rows_d.append(done.copy() if retained else np.zeros(n_chunks))
             if a.kind is Kind.I:
@@ -436,6 +459,7 @@ class _Columns:
     # x_c >= f_c k_c + f'_c j_c - ς_c, x_c >= 0: the recomputation B/I still adds past its ZeRO-3 slack ς_c
     # (sim.memory.exposed_recompute_s); None without slack, where B/I adds f_c k_c itself
     exposed: np.ndarray | None = None
+    head: np.ndarray | None = None  # h_c, the share of the chunk's non-layer activations offloaded to DRAM
 
 
 @dataclass(frozen=True)
@@ -455,6 +479,8 @@ class _Chunks:
     weight_copy: np.ndarray  # ω_c, seconds to bring them back (slowdown included)
     stash: np.ndarray  # σ_c, W stash bytes per layer and microbatch
     stash_copy: np.ndarray  # seconds per offloaded stash layer, each way (slowdown included)
+    head: np.ndarray  # E_c, activation bytes per microbatch outside the chunk's layers (LM head, loss, ...)
+    head_copy: np.ndarray  # seconds to move all of E_c, each way (slowdown included)
 
 
 def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan, lookahead: int,
@@ -470,13 +496,14 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     layers = d.layers.astype(float)
     sigma = or_zeros(base.stash_bytes, n_c) / np.maximum(layers, 1)
     slack = or_zeros(d.backward_comm_slack_s, n_c)
+    head = head_activation_bytes(costs)
     # a [model]'s ops make op-level recomputation a choice, unless memory.plan_recompute = "full"
     ops = d.op_checkpoint_bytes is not None and sc.memory.plan_recompute == "full+op"
     ch = _Chunks(layers, d.layer_activation_bytes, d.layer_activation_bytes - d.layer_checkpoint_bytes,
                  d.layer_forward_s, d.layer_activation_bytes - or_zeros(d.op_checkpoint_bytes, n_c),
                  or_zeros(d.op_recompute_s, n_c), slack, d.layer_activation_bytes * slowdown / base.host_link_bps,
                  d.layer_activation_bytes * slowdown / base.nvme_bps, weights, weights * slowdown / base.host_link_bps,
-                 sigma, sigma * slowdown / base.host_link_bps)
+                 sigma, sigma * slowdown / base.host_link_bps, head, head * slowdown / base.host_link_bps)
     # u_c: memory.offload_stash = "auto" lets the MILP choose, a share fixes it (0: the stash stays in HBM)
     share = sc.memory.offload_stash
     u_lo, u_hi = (np.zeros(n_c), layers) if share == "auto" else (layers * share, layers * share)
@@ -499,6 +526,8 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
         lp.add_variables(n_c, u_lo, u_hi),
         lp.add_variables(dag.n_nodes, 0, np.inf), lp.add_variables(1, 0, np.inf)[0], lp.add_variables(1, 0, np.inf)[0],
         lp.add_variables(n_c, 0, np.inf) if slack.any() else None,
+        # h_c: layer-wise copies move whole layers only (sim.graph.LayerCopy), so there the head stays in HBM
+        lp.add_variables(n_c, 0, 0.0 if sc.memory.copy_granularity == "layer" else (head > 0).astype(float)),
     )
     if not relax:
         lp.set_integer(np.concatenate([col.recompute, col.op, col.dram, col.nvme, col.recomputes, col.to_nvme,
@@ -511,7 +540,8 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
                      [1, -ch.fwd[c], -ch.op_fwd[c]])
     _precedence_rows(rows, col, ch, dag)
     _copy_rows(rows, lp, col, ch, dag, lookahead, w_hi.any(), stash, sc.memory.copy_granularity == "layer")
-    _step_copy_rows(rows, col, ch, dag, _step_copy_s(costs, base), _base_step_s(base), sc.memory.optimizer != "hbm",
+    _step_copy_rows(rows, col, ch, dag, _step_copy_stages(costs, base), _base_step_stages(base),
+                    sc.memory.optimizer != "hbm",
                     starts_away(schedule, lookahead))
     retained = bool(base.forward_retained_bytes.any() or base.backward_retained_bytes.any())
     pos = _positions(schedule, lookahead, bool(w_hi.any()), retained)
@@ -522,9 +552,11 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     m = schedule.num_microbatches
     if limit is not None:
         lp.set_upper_bound(col.peak, max(limit / GIB - 2 * FEASIBILITY, 0.0))
-        obj_cols = np.concatenate([[col.makespan], col.recompute, col.op, col.dram, col.nvme, col.weights, col.stash])
+        obj_cols = np.concatenate([[col.makespan], col.recompute, col.op, col.dram, col.nvme, col.weights, col.stash,
+                                   col.head])
         obj = np.concatenate([[1.0], EPS * m * ch.fwd, EPS * m * ch.op_fwd, EPS * m * ch.copy_dram,
-                              EPS * m * ch.copy_nvme, EPS * m * ch.weight_copy, EPS * m * ch.stash_copy])
+                              EPS * m * ch.copy_nvme, EPS * m * ch.weight_copy, EPS * m * ch.stash_copy,
+                              EPS * m * ch.head_copy])
         what = "fitting the step into HBM"
         if relax:
             obj_cols, obj, what = np.array([col.makespan]), np.array([1.0]), "the LP relaxation of " + what
@@ -544,13 +576,26 @@ def _solve(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan,
     x = sol.x
     choice = MemoryChoice(np.rint(x[col.recompute]), np.rint(x[col.dram]), np.rint(x[col.nvme]),
                           np.rint(x[col.states_on_host]).astype(bool), np.rint(x[col.weights]).astype(bool),
-                          _stash_layers(x[col.stash], ch.layers), np.rint(x[col.op]))
+                          _stash_layers(x[col.stash], ch.layers), np.rint(x[col.op]), _head_share(x[col.head]))
     bound = sol.dual_bound if limit is not None else sol.dual_bound * GIB  # minimising P, the bound is GiB
     return MilpSolution(choice, float(x[col.makespan]), float(x[col.peak]) * GIB, sol.wall_s, sol.proven_optimal,
                         sol.mip_gap, bound)
 
 
 STASH_GRAIN = 1e-4  # layers: a continuous stash share is rounded up to this, off the LP's feasibility tolerance
+
+
+def _head_share(h: np.ndarray) -> np.ndarray:
+    """The LP's h_c as a plan, rounded up to STASH_GRAIN like a stash share (offloading a hair more only lowers
+    HBM)."""
+    return np.minimum(np.where(h < STASH_GRAIN, 0.0, np.ceil(h / STASH_GRAIN) * STASH_GRAIN), 1.0)
+
+
+def head_activation_bytes(costs: CostTable) -> np.ndarray:
+    """Per chunk and microbatch, the activation bytes outside its layers (E_c: the last chunk's LM head and
+    loss, the first chunk's embedding output): what a whole-chunk offload share moves beyond the layers'."""
+    d = costs.detail
+    return np.maximum(costs.activation_bytes - d.layers * d.layer_activation_bytes, 0.0)
 
 
 def _stash_layers(u: np.ndarray, layers: np.ndarray) -> np.ndarray:
@@ -560,14 +605,15 @@ def _stash_layers(u: np.ndarray, layers: np.ndarray) -> np.ndarray:
 
 
 def _layer_choice_rows(rows: _Rows, col: _Columns, ch: _Chunks) -> None:
-    """k + j + d + n <= L, k + j <= L z, n <= L t, d <= L (1 - t): a layer is kept, recomputed (whole or op-level)
-    or offloaded; a chunk's NVMe and DRAM layers exclude each other."""
+    """k + j + d + n <= L, k + j <= L z, n <= L t, d <= L (1 - t), h <= 1 - t: a layer is kept, recomputed (whole
+    or op-level) or offloaded; a chunk's NVMe and DRAM layers exclude each other, and its head goes to DRAM."""
     k, j, dv, nv, z, tn, layers = col.recompute, col.op, col.dram, col.nvme, col.recomputes, col.to_nvme, ch.layers
     for c in range(len(layers)):  # (u_c, the stash's layers, is bounded by L_c alone: its column's bounds)
         rows.add(-np.inf, layers[c], [k[c], j[c], dv[c], nv[c]], [1, 1, 1, 1])
         rows.add(-np.inf, 0, [k[c], j[c], z[c]], [1, 1, -layers[c]])
         rows.add(-np.inf, 0, [nv[c], tn[c]], [1, -layers[c]])
         rows.add(-np.inf, layers[c], [dv[c], tn[c]], [1, layers[c]])
+        rows.add(-np.inf, 1, [col.head[c], tn[c]], [1, 1])  # the engine sends a chunk's whole share to one tier
 
 
 def _end_terms(col: _Columns, ch: _Chunks, dag: FreezeDag, i: int) -> tuple[list[int], list[float]]:
@@ -610,7 +656,7 @@ def _copy_rows(rows: _Rows, lp: LinearProgram, col: _Columns, ch: _Chunks, dag: 
     def copy_terms(i: int) -> tuple[list[int], list[float]]:  # the node's copy time: activations or stash
         c = dag.actions[i].stage
         if dag.actions[i].kind is Kind.F:
-            return [dv[c], nv[c]], [-xd[c], -xn[c]]
+            return [dv[c], nv[c], col.head[c]], [-xd[c], -xn[c], -ch.head_copy[c]]
         return [col.stash[c]], [-ch.stash_copy[c]]
 
     copied = (Kind.F, Kind.I) if stash else (Kind.F,)
@@ -645,7 +691,7 @@ def _copy_rows(rows: _Rows, lp: LinearProgram, col: _Columns, ch: _Chunks, dag: 
             cols, vals = [col.stash[c]], [-ch.stash_copy[c]]
             rows.add(0, np.inf, [pb, e[st.split_of(ib)], *cols], [1, -1, *vals])
         elif copies:
-            cols, vals = [dv[c], nv[c]], [-xd[c], -xn[c]]
+            cols, vals = [dv[c], nv[c], col.head[c]], [-xd[c], -xn[c], -ch.head_copy[c]]
             rows.add(0, np.inf, [pb, e[st.forward_of[ib]], *cols], [1, -1, *vals])
         else:
             cols, vals = [col.weights[c]], [-ch.weight_copy[c]]
@@ -710,23 +756,50 @@ def _layer_in_rows(rows: _Rows, col: _Columns, ch: _Chunks, dag: FreezeDag, b: i
     rows.add(layer - dag.w_max[b], np.inf, [col.start[b], pb, *end_cols], [1, -1, *end_vals])
 
 
-def _step_copy_rows(rows: _Rows, col: _Columns, ch: _Chunks, dag: FreezeDag, step_s: np.ndarray,
-                    base_s: np.ndarray, host_optimizer: bool, away: np.ndarray) -> None:
-    """T >= end of chunk c's last B/W + B_c + y_r C_c: the optimizer step's copies the scenario already places
-    (B_c, `base_s`) and those when the MILP moves rank r's states to the host (C_c);
-    + o_c ω_c δ_c: offloaded weights change those copies as sim.memory.with_weight_offload says, with
-    `away` (sim.graph.starts_away) the chunks off HBM across the step boundary: a host optimizer drops the
-    weights-back copy of those only (δ_c = -away_c), a GPU optimizer refreshes the host copy of every
-    offloading chunk and brings those back for the update (δ_c = 1 + away_c). (With y_r = 1 chosen here under
-    a GPU optimizer the host rule applies though the GPU one is counted: an overestimate of at most 3 ω_c,
-    tens of ms, well inside the re-simulation's tolerance.)"""
-    delta = -away.astype(float) if host_optimizer else 1.0 + away
-    for c, i in step_structure(dag.schedule).last_backward.items():
-        cols, vals = _end_terms(col, ch, dag, i)
-        rank = dag.schedule.stage_to_rank[c]
-        rows.add(dag.w_max[i] + base_s[c], np.inf,
-                 [col.makespan, col.start[i], col.states_on_host[rank], col.weights[c], *cols],
-                 [1, -1, -step_s[c], -delta[c] * ch.weight_copy[c], *[-x for x in vals]])
+def _step_copy_rows(rows: _Rows, col: _Columns, ch: _Chunks, dag: FreezeDag, stages: list[np.ndarray],
+                    base: list[np.ndarray], host_optimizer: bool, away: np.ndarray) -> None:
+    """The optimizer step's copies (sim.graph.side_chains): after chunk c's last B/W, d2h_c on the rank's d2h
+    engine, host_c on the host, h2d_c on its h2d engine, each stage `base` (the copies the scenario already
+    places) + y_r `stages` (those when the MILP moves rank r's states to the host) + the weight-offload terms
+    of sim.memory.with_weight_offload, with `away` (sim.graph.starts_away) the chunks off HBM across the step
+    boundary: a host optimizer drops the weights-back copy of those only (h2d_c -= away_c ω_c o_c), a GPU
+    optimizer refreshes the host copy of every offloading chunk (d2h_c += ω_c o_c) and brings those back for
+    the update (h2d_c += away_c ω_c o_c). The chains of one rank's chunks queue FIFO on its two engines in the
+    order their last backwards end, so T is at least every staircase through them: for chunks i <= j' <= j
+    of the rank in that order, T >= end(last_i) + Σ_(c=i..j') d2h_c + host_j' + Σ_(c=j'..j) h2d_c (exact
+    for FIFO engines and unbounded host work). (With y_r = 1 chosen here under a GPU optimizer the host rule
+    applies though the GPU one is counted: an overestimate of at most 3 ω_c, tens of ms, well inside the
+    re-simulation's tolerance.)"""
+    sched = dag.schedule
+    last = step_structure(sched).last_backward
+    order = {r: sorted((i, c) for c, i in last.items() if sched.stage_to_rank[c] == r) for r in range(sched.num_ranks)}
+    for r, chunks in order.items():
+        y = col.states_on_host[r]
+
+        def part(stage: int, c: int, y: int = y) -> tuple[float, dict[int, float]]:  # a stage of c's chain
+            coef = {y: float(stages[stage][c])}
+            if stage == 0 and not host_optimizer:
+                coef[col.weights[c]] = float(ch.weight_copy[c])
+            elif stage == 2:
+                coef[col.weights[c]] = float((-1.0 if host_optimizer else 1.0) * away[c] * ch.weight_copy[c])
+            return float(base[stage][c]), coef
+
+        for a, (i, _ci) in enumerate(chunks):
+            cols, vals = _end_terms(col, ch, dag, i)
+            for b in range(a, len(chunks)):
+                for j in range(b, len(chunks)):
+                    const = dag.w_max[i]
+                    coef: dict[int, float] = {col.makespan: 1.0, col.start[i]: -1.0}
+                    for cc, v in zip(cols, vals, strict=True):
+                        coef[cc] = coef.get(cc, 0.0) - v
+                    terms = [(0, c) for _n, c in chunks[a:b + 1]] + [(1, chunks[b][1])]
+                    terms += [(2, c) for _n, c in chunks[b:j + 1]]
+                    for stage, c in terms:
+                        k, more = part(stage, c)
+                        const += k
+                        for cc, v in more.items():
+                            coef[cc] = coef.get(cc, 0.0) - v
+                    rows.add(const, np.inf, list(coef), list(coef.values()))
 
 
 def _hbm_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, base: MemoryPlan, costs: CostTable,
@@ -750,9 +823,9 @@ def _hbm_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, base: Me
         cols = [col.peak, col.states_on_host[r]]
         vals = [-GIB, -hs_r[r]]  # built in bytes (P counts GiB), added in GiB
         for c in np.flatnonzero(N):
-            cols += [col.recompute[c], col.op[c], col.dram[c], col.nvme[c]]
+            cols += [col.recompute[c], col.op[c], col.dram[c], col.nvme[c], col.head[c]]
             away = -(N[c] - R[c]) * ch.act[c]
-            vals += [-N[c] * ch.saved[c], -N[c] * ch.op_saved[c], away, away]
+            vals += [-N[c] * ch.saved[c], -N[c] * ch.op_saved[c], away, away, -(N[c] - R[c]) * ch.head[c]]
         bc = pos.backward_chunk[p]
         if bc >= 0:  # a recomputed layer's working set replaces the loss's (sim.memory.activation_arrays: max)
             cols.append(col.recomputes[bc])
@@ -781,9 +854,11 @@ def _host_rows(rows: _Rows, col: _Columns, ch: _Chunks, pos: _Positions, costs: 
         chunks_r = np.flatnonzero(s2r == r)
         per = pos.max_inflight[chunks_r] * ch.act[chunks_r]
         stash_r = pos.max_stashed[chunks_r] * ch.stash[chunks_r]
-        dram = np.concatenate([per, [hs_r[r]], ch.weight_bytes[chunks_r], stash_r])
+        heads = pos.max_inflight[chunks_r] * ch.head[chunks_r]
+        dram = np.concatenate([per, [hs_r[r]], ch.weight_bytes[chunks_r], stash_r, heads])
         rows.add(-np.inf, costs.detail.dram_bytes / GIB,
-                 [*col.dram[chunks_r], col.states_on_host[r], *col.weights[chunks_r], *col.stash[chunks_r]], dram / GIB)
+                 [*col.dram[chunks_r], col.states_on_host[r], *col.weights[chunks_r], *col.stash[chunks_r],
+                  *col.head[chunks_r]], dram / GIB)
         rows.add(-np.inf, costs.detail.nvme_bytes / GIB, [*col.nvme[chunks_r]], per / GIB)
 
 
@@ -796,20 +871,22 @@ def _host_state_bytes(sc: Scenario, costs: CostTable) -> np.ndarray:
     return parts.get("optimizer", zero) + parts.get("master_weights", zero)
 
 
-def _base_step_s(base: MemoryPlan) -> np.ndarray:
-    """Per chunk, the optimizer step's copies and host work every plan pays because the scenario itself keeps
-    states or gradients off HBM (sim.memory.with_states): the engine runs them as one chain after the chunk's
-    last backward (sim.graph's STEP_D2H, STEP_HOST, STEP_H2D)."""
-    return base.step_d2h_bytes / base.host_link_bps + base.step_host_s + base.step_h2d_bytes / base.host_link_bps
+def _base_step_stages(base: MemoryPlan) -> list[np.ndarray]:
+    """Per chunk, the optimizer step's d2h copy, host work and h2d copy (seconds) every plan pays because the
+    scenario itself keeps states or gradients off HBM (sim.memory.with_states): the engine runs them as one
+    chain after the chunk's last backward (sim.graph's STEP_D2H, STEP_HOST, STEP_H2D)."""
+    return [base.step_d2h_bytes / base.host_link_bps, np.asarray(base.step_host_s, float),
+            base.step_h2d_bytes / base.host_link_bps]
 
 
-def _step_copy_s(costs: CostTable, base: MemoryPlan) -> np.ndarray:
-    """Per chunk, the optimizer step's exposed time with states on the host: grads out, Adam, weights back."""
+def _step_copy_stages(costs: CostTable, base: MemoryPlan) -> list[np.ndarray]:
+    """Per chunk, the optimizer step's d2h, host and h2d seconds with states on the host: grads out, Adam,
+    weights back."""
     parts = costs.detail.state_bytes
     zero = np.zeros(costs.num_chunks)
     params = costs.params if costs.params is not None else zero
     adam_s = params * HOST_ADAM_BYTES_PER_PARAM / costs.detail.dram_bps
-    return parts.get("gradients", zero) / base.host_link_bps + adam_s + parts.get("weights", zero) / base.host_link_bps
+    return [parts.get("gradients", zero) / base.host_link_bps, adam_s, parts.get("weights", zero) / base.host_link_bps]
 
 
 def plan_from_choice(sc: Scenario, costs: CostTable, schedule: Schedule, base: MemoryPlan, choice: MemoryChoice,
@@ -820,7 +897,7 @@ def plan_from_choice(sc: Scenario, costs: CostTable, schedule: Schedule, base: M
     k, j, dram, nvme = choice.recompute_layers, choice.op_recompute_layers, choice.dram_layers, choice.nvme_layers
     s2r = np.asarray(schedule.stage_to_rank)
     kept, transient, extra = activation_arrays(costs, k, np.zeros(costs.num_chunks), j)
-    off = d.layer_activation_bytes * (dram + nvme)
+    off = d.layer_activation_bytes * (dram + nvme) + head_activation_bytes(costs) * choice.head_offload_share
     chunk_states = choice.states_on_host[s2r]  # per chunk: its rank offloads states
     hs = _host_state_bytes(sc, costs)
     params = costs.params if costs.params is not None else np.zeros(costs.num_chunks)
@@ -831,6 +908,7 @@ def plan_from_choice(sc: Scenario, costs: CostTable, schedule: Schedule, base: M
         f"recompute {int(k[c])}/{int(d.layers[c])}" + (f", op {int(j[c])}" if j[c] else "")
         + f", dram {int(dram[c])}, nvme {int(nvme[c])}"
         + (f", stash {stash_layers[c]:.2f}" if stash_layers[c] else "")
+        + (f", head {choice.head_offload_share[c]:.2f}" if choice.head_offload_share[c] else "")
         + (", states on host" if chunk_states[c] else "")
         for c in range(costs.num_chunks)
     )

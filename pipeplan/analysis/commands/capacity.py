@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pipeplan.analysis.capacity import DEFAULT_POLICIES, INTERLEAVED_V, POLICIES
     from pipeplan.analysis.outputs import add_force_argument
+    from pipeplan.solver.capacity import DEFAULT_POLICIES, INTERLEAVED_V, POLICIES
 
     add_scenario_argument(parser)
     add_set_argument(parser)
@@ -66,10 +66,8 @@ def run(args: argparse.Namespace) -> int:
     from pipeplan.analysis.capacity import (
         ANSWER_COLUMNS,
         FRONTIER_COLUMNS,
-        PolicyDepths,
         answer_rows,
         capacity_table,
-        checked_scenario,
         deepest_at,
         frontier_table,
     )
@@ -80,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from pipeplan.common.io import atomic_write_text, csv_text
     from pipeplan.sim.errors import ScenarioError
     from pipeplan.sim.limits import MAX_JOBS
+    from pipeplan.solver.capacity import PolicyDepths, checked_scenario
 
     if not 0 < args.min_throughput <= 10 or args.min_throughput != args.min_throughput:
         raise ScenarioError(f"--min-throughput: {args.min_throughput} must be in (0, 10] (1.0 = plain 1F1B's)")

@@ -216,7 +216,7 @@ def _check_v_half(p: int, m: int, v: int) -> str | None:
 def build_v_half(p: int, m: int, v: int) -> Schedule:
     """The list scheduler at V-Half's cap, with the W stash counted against it (w_limit = the cap): live
     activations plus stashes waiting for W stay within v_half_limit(p) on every rank, as in the paper. This is
-    chronos' order with admission_cap = stash_limit = v_half_limit(p) (one of analysis.capacity's variants)."""
+    chronos' order with admission_cap = stash_limit = v_half_limit(p) (one of solver.capacity's variants)."""
     limit = v_half_limit(p)
     plan = _capped_plan(p, m, 2, limit, limit)
     return Schedule("v-half", 2 * p, m, plan.ranks, zigzag_placement(p, 2))
