@@ -172,9 +172,10 @@ class Freezer:
     def frozen(self, step: int) -> dict[Key, list[str]]:
         """Parameter names frozen per local (stage, mb) at `step`: re-drawn every K steps and on a new plan
         (autofreeze: its frozen blocks, for every microbatch)."""
-        if self.auto is not None or self.apf is not None:
+        pick = (self.auto.frozen_names if self.auto is not None
+                else self.apf.whole_tensors if self.apf is not None else None)
+        if pick is not None:  # autofreeze or APF: the method picks the names
             on = self.phases.phase(step) == self.phases.mode
-            pick = self.auto.frozen_names if self.auto is not None else self.apf.whole_tensors
             self.drawn = {(s, mb): pick([n for n, _ in units]) if on else []
                           for s, units in self.units.items() for mb in range(self.schedule.num_microbatches)}
             return {k: v for k, v in self.drawn.items() if v}

@@ -305,7 +305,7 @@ class _Offloaded:
     dtype: torch.dtype
     size: torch.Size
     stride: tuple[int, ...]
-    offset: int
+    offset: int | torch.SymInt  # what Tensor.storage_offset() returns
 
     def get(self) -> torch.Tensor:
         storage = self.copy.get().untyped_storage()

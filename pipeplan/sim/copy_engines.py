@@ -6,6 +6,7 @@ stream granted it (SimResult.copies), which the step graph chains in that order.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
+from dataclasses import dataclass
 
 import simpy
 
@@ -17,13 +18,26 @@ from pipeplan.sim.results import CopyRecord
 Process = Generator[simpy.Event, None, None]  # a SimPy process body
 
 
+@dataclass(slots=True)
+class _Grant:
+    """One copy as its stream granted it; `end` is set when the copy is done (a CopyRecord once the step ends)."""
+
+    rank: int
+    stream: Stream
+    what: CopyKind
+    i: int  # the action's node index, or -1 (the optimizer step's copies)
+    stage: int
+    start: float
+    end: float
+
+
 class CopyEngines:
     """The streams of every rank, the grant-order log, and when the last side-chain copy ended."""
 
     def __init__(self, env: simpy.Environment, n_ranks: int):
         self.env = env
         self.streams = {s: [simpy.Resource(env) for _ in range(n_ranks)] for s in Stream}
-        self.log: list[list] = []  # [rank, stream, what, action index or -1, stage, start, end] at grant
+        self.log: list[_Grant] = []  # at grant
         self.end_s = 0.0  # the last side chain's end: the pipeline's makespan is no earlier
 
     def hold(self, rank: int, stream: Stream, what: CopyKind, i: int, stage: int, seconds: float | None,
@@ -36,13 +50,13 @@ class CopyEngines:
             yield req
             if end_no_earlier - (seconds or 0.0) > env.now:
                 yield env.timeout(end_no_earlier - (seconds or 0.0) - env.now)
-            entry = [rank, stream, what, i, stage, env.now, env.now]
+            entry = _Grant(rank, stream, what, i, stage, env.now, env.now)
             self.log.append(entry)
             if on_grant is not None:
                 on_grant()
             if seconds is not None:
                 yield env.timeout(seconds)
-            entry[-1] = env.now
+            entry.end = env.now
 
     def side_chain(self, chain: tuple[SideTask, ...], rank: int) -> Process:
         """One chain of side tasks (sim.graph.side_chains): each queues on its copy engine (FIFO) or runs on
@@ -55,5 +69,5 @@ class CopyEngines:
         self.end_s = max(self.end_s, self.env.now)
 
     def records(self, actions: tuple[Action, ...]) -> list[CopyRecord]:
-        return [CopyRecord(r, stream, what, actions[i] if i >= 0 else None, stage, start, end)
-                for r, stream, what, i, stage, start, end in self.log]
+        return [CopyRecord(g.rank, g.stream, g.what, actions[g.i] if g.i >= 0 else None, g.stage, g.start, g.end)
+                for g in self.log]

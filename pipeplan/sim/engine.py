@@ -121,8 +121,10 @@ class _StepSimulation:
         self.st = st = step_structure(schedule)  # what each action waits for: the step's rules, sim/graph.py
         n, n_ranks = st.n_actions, schedule.num_ranks
         self.duration = self._durations(overrides)
-        self.end: list[float | None] = [None] * n
-        self.arrive: list[float | None] = [None] * n  # when a result is at its consumer's rank
+        # end and arrive hold a time only once `done` says the node has finished (until then 0.0, never read)
+        self.done: list[bool] = [False] * n
+        self.end: list[float] = [0.0] * n
+        self.arrive: list[float] = [0.0] * n  # when a result is at its consumer's rank
         self.start: list[float] = [0.0] * n
         self.waiters: dict[int, simpy.Event] = {}  # unfinished producer -> the event its consumers wait on
         self.busy, self.p2p_wait, self.progress = [0.0] * n_ranks, [0.0] * n_ranks, [0] * n_ranks
@@ -155,11 +157,11 @@ class _StepSimulation:
 
     # ---- the ranks -----------------------------------------------------------------------------------------
     def _rank_process(self, rank: int) -> Generator[simpy.Event, None, None]:
-        env, end, offloads = self.env, self.end, self.offloads
+        env, done, offloads = self.env, self.done, self.offloads
         for i in self.st.rank_nodes(rank):
             free = env.now
             for j, _ in self.st.deps[i]:
-                if end[j] is None:  # an event only for a producer that has not finished yet
+                if not done[j]:  # an event only for a producer that has not finished yet
                     yield self._waiter(j)
             ready = self._inputs_ready(i, rank, free)
             if offloads.copying:
@@ -181,7 +183,7 @@ class _StepSimulation:
 
     def _inputs_ready(self, i: int, rank: int, free: float) -> float:
         """When node i's inputs are all on its rank, the rank free since `free`. Waiting that only the transfer
-        explains is exposed communication (p2p_wait)."""
+        explains is exposed communication (p2p_wait). Every input has finished (_rank_process waited)."""
         end, arrive = self.end, self.arrive
         ready = produced = free  # produced: when the rank is free and every input has been computed
         for j, via in self.st.deps[i]:
@@ -219,6 +221,7 @@ class _StepSimulation:
         """Record i's end, start its transfer over the FIFO link, wake whoever waits for it."""
         now = self.env.now
         self.end[i] = now
+        self.done[i] = True
         dst = self.st.consumer_rank[i]
         self.arrive[i] = now if dst == -1 or dst == rank else self.links.send(rank, dst, self.st.actions[i], now)
         waiter = self.waiters.pop(i, None)
@@ -284,7 +287,7 @@ class _StepSimulation:
             slots = self.st.rank_nodes(r)
             if self.progress[r] < len(slots):
                 i = slots[self.progress[r]]
-                waits = [str(self.st.actions[j]) for j, _ in self.st.deps[i] if self.end[j] is None]
+                waits = [str(self.st.actions[j]) for j, _ in self.st.deps[i] if not self.done[j]]
                 blocked.append(f"rank {r} at {self.st.actions[i]} waits for {'+'.join(waits)}")
         if blocked:
             raise DeadlockError(f"schedule {self.sched.name!r} deadlocks: {'; '.join(blocked)}")

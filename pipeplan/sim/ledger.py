@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pipeplan.sim.ir import BACKWARD_KINDS, Action, Kind
 from pipeplan.sim.memory_plan import MemoryPlan, or_zeros
-from pipeplan.sim.results import OOMEvent, PeakMoment
+from pipeplan.sim.results import MemoryRecord, OOMEvent, PeakMoment
 
 OPTIMIZER_STEP = "optimizer step"  # PeakMoment.during for a peak in the optimizer step
 
@@ -47,7 +47,7 @@ class HbmLedger:
         self.peak_act = [0.0] * n
         self.peak_hbm = [s - a for s, a in zip(static, away, strict=True)]
         self.peak_moment: list[tuple[float, str, float, float]] = [(0.0, "start", 0.0, h) for h in self.peak_hbm]
-        self.log: list[tuple] = []
+        self.log: list[MemoryRecord] = []
         self.oom: list[OOMEvent] = []
         for r in range(n):
             self.record(r, 0.0)

@@ -11,6 +11,9 @@ from pipeplan.sim.costs import CostTable
 from pipeplan.sim.graph import CopyOrder
 from pipeplan.sim.ir import Action, Schedule
 
+# (rank, time_s, hbm_bytes, static_hbm, activation_hbm, dram, nvme): one rank's memory after a change
+MemoryRecord = tuple[int, float, float, float, float, float, float]
+
 
 @dataclass(frozen=True)
 class OOMEvent:
@@ -52,7 +55,7 @@ class PeakMoment:
     activation_bytes: float
     step_bytes: float
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, int | float | str]:
         return {"rank": self.rank, "time_s": self.time_s, "during": self.during, "static_bytes": self.static_bytes,
                 "activation_bytes": self.activation_bytes, "step_bytes": self.step_bytes}
 
@@ -75,7 +78,7 @@ class SimResult:
     peak_activation_bytes: np.ndarray  # per rank
     peak_hbm_bytes: np.ndarray  # per rank
     static_bytes: np.ndarray  # per rank
-    memory: list[tuple]  # (rank, time_s, hbm_bytes, static_hbm, activation_hbm, dram, nvme) at every change
+    memory: list[MemoryRecord]  # at every change
     transfers: list[tuple[int, int, str, float, float]]  # (src_rank, dst_rank, action, start_s, end_s)
     oom_events: list[OOMEvent] = field(default_factory=list)
     sim_wall_s: float = 0.0
