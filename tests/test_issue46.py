@@ -107,7 +107,7 @@ def test_report_escapes_markup_in_user_strings(sim_folder, tmp_path):
     assert main(["report", str(folder)]) == 0
     md = (folder / "report.md").read_text()
     page = (folder / "report.html").read_text()
-    assert "<script>" not in md and "&lt;script&gt;" in md
+    assert "<script>" not in md and "&lt;script>" in md
     assert "[x](javascript:" not in md and r"\[x\](javascript:" in md
     assert "<script>alert" not in page
 

@@ -243,10 +243,14 @@ MD_SPECIAL = re.compile(r"([\\`*\[\]!|~]|(?<!\w)_|_(?!\w))")
 an underscore only at a word's edge (inside a word, as in `makespan_s`, CommonMark never reads it as emphasis)."""
 
 
+MD_ENTITY = re.compile(r"&(?=#?\w+;)")
+
+
 def md_escape(text: Any) -> str:
-    """`text` as literal Markdown: its punctuation backslash-escaped, <, > and & as HTML entities (a name such as
-    `<script>` or `[x](javascript:...)` from a user's scenario must show as written, never run or link)."""
-    return MD_SPECIAL.sub(r"\\\1", html.escape(str(text), quote=False)).replace("\n", " ")
+    """`text` as literal Markdown: its punctuation backslash-escaped, < and an entity's & as HTML entities (a name
+    such as `<script>` or `[x](javascript:...)` from a user's scenario must show as written, never run or link)."""
+    text = MD_ENTITY.sub("&amp;", str(text)).replace("<", "&lt;")  # no tag, no entity; `>=` stays as written
+    return MD_SPECIAL.sub(r"\\\1", text).replace("\n", " ")
 
 
 def _md_inline(text: str) -> str:
