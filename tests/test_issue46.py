@@ -482,3 +482,13 @@ def test_a_user_file_replaced_with_its_folder_is_named(tmp_path, capsys):
     capsys.readouterr()
     assert main(["simulate", UNIT, "--out", str(out)]) == 0
     assert "1 file(s) this run did not write are gone: my-notes.txt" in capsys.readouterr().err
+
+
+# ---- masked crashes and last campaign's items ----------------------------------------------------------------
+def test_toml_dates_as_grid_values_are_one_line(tmp_path, capsys):
+    argv = ["sweep", UNIT, "--grid", "pipeline.microbatches=1979-05-27", "--out", str(tmp_path / "o")]
+    assert "a TOML date or time" in refused(argv, capsys)
+
+
+def test_a_set_value_with_a_line_break_is_refused(capsys):
+    assert "holds a line break" in refused(["show", UNIT, "--set", "pipeline.stages=4\nfoo=1"], capsys)

@@ -115,13 +115,28 @@ def _scenario_field(key: str) -> Any:
 
 
 def parse_scalar(text: str) -> Any:
-    """A TOML value (number, bool, string, list), or the bare word itself."""
+    """A TOML value (number, bool, string, list), or the bare word itself; one value only (a newline would let
+    `4\nfoo=1` set a second key), and no TOML date or time (no scenario key takes one; JSON has none)."""
+    if "\n" in text or "\r" in text:
+        raise PipeplanError(f"value {text[:40]!r}: holds a line break; give one value")
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text  # a bare word such as 1f1b or zbv
     except (RecursionError, ValueError):  # arrays nested thousands deep; integers of 4,300+ digits
         raise PipeplanError(f"value {text[:40]!r}...: nested too deeply or too long to be a TOML value") from None
+    if _has_datetime(value):
+        raise PipeplanError(f"value {text[:40]!r}: a TOML date or time; give a number, string or boolean")
+    return value
+
+
+def _has_datetime(value: Any) -> bool:
+    import datetime
+
+    if isinstance(value, datetime.date | datetime.time):
+        return True
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return any(_has_datetime(v) for v in items)
 
 
 def configurations(grid: dict[str, list[Any]]) -> Iterator[dict[str, Any]]:
