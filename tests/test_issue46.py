@@ -492,3 +492,15 @@ def test_toml_dates_as_grid_values_are_one_line(tmp_path, capsys):
 
 def test_a_set_value_with_a_line_break_is_refused(capsys):
     assert "holds a line break" in refused(["show", UNIT, "--set", "pipeline.stages=4\nfoo=1"], capsys)
+
+
+def test_report_of_a_sweep_csv_without_metrics_is_one_line(tmp_path, capsys):
+    (tmp_path / "sweep.csv").write_text("config_id,a\nx,1\n")
+    assert "a file lacks what its command writes" in refused(["report", str(tmp_path)], capsys)
+
+
+def test_a_target_ratio_past_the_layer_limit_names_the_ratio(tmp_path, capsys):
+    argv = ["capacity", "tiny-cpu", "--policies", "1f1b", "--target-ratio", "100", "--out", str(tmp_path / "o")]
+    err = refused(argv, capsys)
+    assert err.startswith("pipeplan capacity: error: --target-ratio 100: 100 x 1F1B's deepest fit") and \
+        "model.layers" not in err

@@ -206,7 +206,11 @@ def render(folder: Path) -> tuple[str, str]:
     parts = sections(folder)
     if not parts:
         raise PipeplanError(f"report: {folder} holds no pipeplan outputs (json, csv or png files)")
-    kind, blocks = answer(folder)
+    try:
+        kind, blocks = answer(folder)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:  # a file without what its command writes
+        raise PipeplanError(f"report: {folder}: a file lacks what its command writes ({type(exc).__name__}: "
+                            f"{str(exc)[:60]}); rerun the command that wrote it") from None
     title = f"{TITLE}{folder.name} ({kind})"
     md = [f"# {TITLE}{md_escape(f'{folder.name} ({kind})')}", ""]
     body = [f"<h1>{html.escape(title)}</h1>"]
