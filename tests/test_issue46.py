@@ -504,3 +504,16 @@ def test_a_target_ratio_past_the_layer_limit_names_the_ratio(tmp_path, capsys):
     err = refused(argv, capsys)
     assert err.startswith("pipeplan capacity: error: --target-ratio 100: 100 x 1F1B's deepest fit") and \
         "model.layers" not in err
+
+
+def test_an_old_folder_that_cannot_be_deleted_is_named(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    out = tmp_path / "o"
+    assert main(["simulate", UNIT, "--out", str(out)]) == 0
+    capsys.readouterr()
+    real = shutil.rmtree
+    monkeypatch.setattr(shutil, "rmtree", lambda p, ignore_errors=False: None if ".old-" in str(p) else
+                        real(p, ignore_errors=ignore_errors))  # as an immutable file in the old folder would
+    assert main(["simulate", UNIT, "--out", str(out)]) == 0
+    assert "could not be deleted completely; what is left is in" in capsys.readouterr().err

@@ -463,3 +463,6 @@ def _swap_in(stage: Path, out: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
         raise
     shutil.rmtree(aside, ignore_errors=True)
+    if aside.exists():  # an undeletable file in the old folder (immutable, another owner's): say where it stays
+        print(f"warning: the previous {short_path(out)} could not be deleted completely; what is left is in "
+              f"{short_path(aside)}", file=sys.stderr)
