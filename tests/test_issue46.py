@@ -386,14 +386,14 @@ def test_a_silent_scheduler_is_refused_in_bounded_time_before_the_folder_is_clai
     assert not out.exists()
 
 
-@pytest.mark.parametrize("address", ["tls://127.0.0.1:8786", "ucx://127.0.0.1:8786"])
+@pytest.mark.parametrize("address", ["tls://127.0.0.1:8786", "ucx://127.0.0.1:8786", "inproc://x"])
 def test_unsupported_scheduler_schemes_are_one_line(address, tmp_path, capfd):
     out = tmp_path / "sw"
     assert main(["sweep", EIGHT_B, "--grid", "pipeline.microbatches=8,16", "--scheduler", address,
                  "--out", str(out)]) == 2
     err = capfd.readouterr().err
     assert err.strip().splitlines() == [f"pipeplan sweep: error: --scheduler {address}: scheme "
-                                        f"{address[:3]}:// is not supported; give tcp://HOST:PORT"], err
+                                        f"{address.split(':')[0]}:// is not supported; give tcp://HOST:PORT"], err
     assert not out.exists()
 
 

@@ -435,13 +435,14 @@ SCHEDULER_TIMEOUT_S = 5.0
 """A Dask scheduler that has not answered its identity call by then is taken as unreachable."""
 
 
-def probe_scheduler(address: str, timeout_s: float = SCHEDULER_TIMEOUT_S) -> None:
+def probe_scheduler(address: str, timeout_s: float = SCHEDULER_TIMEOUT_S, in_process: bool = True) -> None:
     """Ask the scheduler at `address` who it is, within `timeout_s`; PipeplanError if it does not answer. Dask's
-    Client(timeout=...) bounds the TCP connect only: a port that accepts and never speaks holds it forever."""
+    Client(timeout=...) bounds the TCP connect only: a port that accepts and never speaks holds it forever.
+    `in_process=False` (the CLI) refuses inproc://, which names a cluster only the process that made it has."""
     import asyncio
 
     scheme = address.split("://", 1)[0] if "://" in address else "tcp"
-    if scheme not in SCHEDULER_SCHEMES:
+    if scheme not in SCHEDULER_SCHEMES or (scheme == "inproc" and not in_process):
         raise PipeplanError(f"--scheduler {address[:80]}: scheme {scheme[:20]}:// is not supported; give "
                             "tcp://HOST:PORT")
     if scheme == "inproc":  # a cluster in this process: nothing can be silent there
