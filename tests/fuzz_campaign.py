@@ -2,8 +2,12 @@
 
     python -m tests.fuzz_campaign --cases 1200 --seed 20261130 --out out/fuzz-campaign
 
-Cases are `simulate`/`plan` with scenario mutations, flags and schedule CSVs (most), `sweep` grids, `run`
-with bad flags and `capacity` with scenario mutations and its own flags. Counts (results, refusals,
+Cases are `simulate`/`plan` with scenario mutations, flags and schedule CSVs (about half), `sweep` grids, `run`
+with bad flags and `capacity` with scenario mutations and its own flags, and the families of issue 46: hostile
+strings (markup, ANSI, formulas, HTML) in every string field, `report` of folders with links out, fifos, Latin-1
+and wide CSVs, fifos on every input, damaged resumable state (sweep.csv cells, capacity journal values), a second
+writer on one --out, silent and unsupported scheduler addresses, and `run` input checked before launching. Each
+case must end within 60 s (else a hang) and leave no process behind (else an orphan). Counts (results, refusals,
 tracebacks, lines too long, partial or destructive writes, refusals that took over 10 s of CPU, results over
 10 s) go to stdout and OUT/campaign.json;
 every failing case goes to OUT/failures.jsonl. Times are CPU seconds of this process (time.process_time):
@@ -24,7 +28,27 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from tests.fuzzing import Case, capacity_line, command_line, run_case, run_line, sweep_line
+from tests.fuzzing import (
+    Case,
+    capacity_line,
+    command_line,
+    concurrency_line,
+    fifo_input_line,
+    hostile_string_line,
+    network_line,
+    report_line,
+    resume_line,
+    run_case,
+    run_check_line,
+    run_line,
+    start_silent_port,
+    sweep_line,
+)
+
+FAMILIES = [sweep_line, sweep_line, run_line, run_line, capacity_line, hostile_string_line, hostile_string_line,
+            report_line, report_line, fifo_input_line, fifo_input_line, resume_line, concurrency_line, network_line,
+            run_check_line, run_check_line]
+"""Each case draws one family (issue 46 added all after capacity_line); the rest of 30 draws are command_line."""
 
 SLOW_S = 10.0
 
@@ -42,13 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     reasons: collections.Counter[str] = collections.Counter()
     cpu_max = {"refused": 0.0, "result": 0.0}
     failures = (out / "failures.jsonl").open("w")
+    silent = start_silent_port()  # for network cases: a scheduler address that accepts and never answers
     start = time.perf_counter()
 
     @seed(args.seed)
     @settings(max_examples=args.cases, deadline=None, database=None, phases=("generate",),
               suppress_health_check=list(HealthCheck))
-    @given(st.integers(0, 19).flatmap(lambda i: sweep_line() if i in (0, 1) else run_line() if i in (2, 3) else
-                                      capacity_line() if i == 4 else command_line()))
+    @given(st.integers(0, 29).flatmap(lambda i: FAMILIES[i]() if i < len(FAMILIES) else command_line()))
     def one(case: Case) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             outcome = run_case(case, Path(tmp))
@@ -76,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     one()
     failures.close()
+    silent.close()
     summary = {"seed": args.seed, "cases": counts["cases"], "wall_s": round(time.perf_counter() - start, 1),
                "counts": dict(sorted(counts.items())), "max_cpu_s": {k: round(v, 2) for k, v in cpu_max.items()},
                "refusals_by_reason": dict(reasons.most_common()), "slow": slow}

@@ -163,3 +163,24 @@ def test_a_journal_that_capacity_did_not_write_is_refused_before_any_work(tmp_pa
     assert f"{JOURNAL}: is a symlink, not a regular file" in err
     assert f"{JOURNAL} is 300 MiB, more than capacity writes (at most 256 MiB); move it away" in err
     assert counted == [] and not (tmp_path / "elsewhere.txt").exists() and "Traceback" not in err
+
+
+@pytest.mark.parametrize("field, value", [("tokens_per_s", "NaN"), ("tokens_per_s", "Infinity"),
+                                          ("makespan_s", "null"), ("peak_hbm_bytes", "[]"),
+                                          ("peak_hbm_bytes", "[1.0, -Infinity]")])
+def test_resumed_lines_are_held_to_what_a_fresh_evaluation_gives(field, value, tmp_path, counted):
+    """Issue 46: a journal line with a non-finite number or an empty peak made every later run fail with an
+    unexpected error naming neither the journal nor the line; now it is set aside, named, and evaluated again."""
+    whole = _run(tmp_path / "a")
+    path = tmp_path / "a" / JOURNAL
+    lines = path.read_text().splitlines(keepends=True)
+    i = next(i for i, line in enumerate(lines) if json.loads(line)["evaluation"]["result"] is not None)
+    text = json.dumps(json.loads(lines[i])).replace(f'"{field}": ', f'"{field}": {value}, "was": ', 1)
+    lines[i] = text + "\n"
+    path.write_text("".join(lines))
+    counted.clear()
+    again = _run(tmp_path / "a")
+    assert again[:2] == whole[:2] and len(counted) == 1  # that depth only, evaluated again
+    assert again[2].damaged == 1
+    report = again[2].damage_report()
+    assert f"line {i + 1}: " in report and (f"result.{field}" in report or "is not a JSON number" in report)

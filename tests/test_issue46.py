@@ -107,7 +107,7 @@ def test_report_escapes_markup_in_user_strings(sim_folder, tmp_path):
     assert main(["report", str(folder)]) == 0
     md = (folder / "report.md").read_text()
     page = (folder / "report.html").read_text()
-    assert "<script>" not in md and "&lt;script&gt;" in md
+    assert "<script>" not in md and "&lt;script>" in md
     assert "[x](javascript:" not in md and r"\[x\](javascript:" in md
     assert "<script>alert" not in page
 
@@ -386,14 +386,14 @@ def test_a_silent_scheduler_is_refused_in_bounded_time_before_the_folder_is_clai
     assert not out.exists()
 
 
-@pytest.mark.parametrize("address", ["tls://127.0.0.1:8786", "ucx://127.0.0.1:8786"])
+@pytest.mark.parametrize("address", ["tls://127.0.0.1:8786", "ucx://127.0.0.1:8786", "inproc://x"])
 def test_unsupported_scheduler_schemes_are_one_line(address, tmp_path, capfd):
     out = tmp_path / "sw"
     assert main(["sweep", EIGHT_B, "--grid", "pipeline.microbatches=8,16", "--scheduler", address,
                  "--out", str(out)]) == 2
     err = capfd.readouterr().err
     assert err.strip().splitlines() == [f"pipeplan sweep: error: --scheduler {address}: scheme "
-                                        f"{address[:3]}:// is not supported; give tcp://HOST:PORT"], err
+                                        f"{address.split(':')[0]}:// is not supported; give tcp://HOST:PORT"], err
     assert not out.exists()
 
 
@@ -416,3 +416,104 @@ def test_profile_gemm_sizes_are_bounded(flags, expected, tmp_path, capsys):
 def test_freeze_study_tokens_are_bounded(tmp_path, capsys):
     err = refused(["freeze-study", "--tokens", str(10**12), "--out", str(tmp_path / "o")], capsys)
     assert "above the limit of 1,000,000 steps per run" in err
+
+
+# ---- one writer per output folder; output preconditions checked before any work ---------------------------
+def test_a_second_writer_on_one_folder_is_refused(tmp_path, capsys):
+    from pipeplan.common.io import output_lock
+
+    out = tmp_path / "sw"
+    argv = ["sweep", UNIT, "--grid", "pipeline.microbatches=4,8", "--out", str(out)]
+    with output_lock(out, "sweep"):
+        err = refused(argv, capsys)
+    assert f"in use by pipeplan sweep (pid {os.getpid()} on " in err
+    assert not out.exists()
+    assert main(argv) == 0  # released: the folder is free again, and no lock file is left
+    assert len(pd.read_csv(out / "sweep.csv")) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sw"]
+
+
+def test_a_lock_of_a_killed_holder_is_free(tmp_path):
+    import subprocess
+    import sys
+
+    from pipeplan.common.io import output_lock
+
+    out = tmp_path / "o"
+    code = (f"from pipeplan.common.io import output_lock\nimport os\n"
+            f"with output_lock({str(out)!r}, 'x'):\n    os._exit(9)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 9  # died holding it, its file left behind
+    with output_lock(out, "sweep"):
+        pass
+
+
+def test_the_current_folder_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert "is the current folder or a root" in refused(["simulate", UNIT, "--out", "."], capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)  # as chattr +i or a read-only mount
+    assert "cannot be written here (read-only or immutable)" in refused(["simulate", UNIT, "--out",
+                                                                          str(tmp_path / "o")], capsys)
+
+
+# ---- masked crashes: Rich markup in user strings is shown as written ---------------------------------------
+MARKUP = "x[/]y[link=http://evil.example]z"
+
+
+def test_markup_in_a_model_name_is_printed_as_written(capsys):
+    assert main(["show", UNIT.replace("explicit-unit", "tiny-cpu"), "--set", f"model.name={MARKUP}"]) == 0
+    assert f"model: {MARKUP}," in capsys.readouterr().out
+
+
+def test_markup_in_grid_values_is_printed_as_written(tmp_path, capsys):
+    argv = ["sweep", EIGHT_B, "--grid", f"model.name={MARKUP},plain", "--out", str(tmp_path / "o")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert MARKUP in out and "unexpected" not in out
+
+
+def test_a_user_file_replaced_with_its_folder_is_named(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert main(["simulate", UNIT, "--out", str(out)]) == 0
+    (out / "my-notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert main(["simulate", UNIT, "--out", str(out)]) == 0
+    assert "1 file(s) this run did not write are gone: my-notes.txt" in capsys.readouterr().err
+
+
+# ---- masked crashes and last campaign's items ----------------------------------------------------------------
+def test_toml_dates_as_grid_values_are_one_line(tmp_path, capsys):
+    argv = ["sweep", UNIT, "--grid", "pipeline.microbatches=1979-05-27", "--out", str(tmp_path / "o")]
+    assert "a TOML date or time" in refused(argv, capsys)
+
+
+def test_a_set_value_with_a_line_break_is_refused(capsys):
+    assert "holds a line break" in refused(["show", UNIT, "--set", "pipeline.stages=4\nfoo=1"], capsys)
+
+
+def test_report_of_a_sweep_csv_without_metrics_is_one_line(tmp_path, capsys):
+    (tmp_path / "sweep.csv").write_text("config_id,a\nx,1\n")
+    assert "a file lacks what its command writes" in refused(["report", str(tmp_path)], capsys)
+
+
+def test_a_target_ratio_past_the_layer_limit_names_the_ratio(tmp_path, capsys):
+    argv = ["capacity", "tiny-cpu", "--policies", "1f1b", "--target-ratio", "100", "--out", str(tmp_path / "o")]
+    err = refused(argv, capsys)
+    assert err.startswith("pipeplan capacity: error: --target-ratio 100: 100 x 1F1B's deepest fit") and \
+        "model.layers" not in err
+
+
+def test_an_old_folder_that_cannot_be_deleted_is_named(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    out = tmp_path / "o"
+    assert main(["simulate", UNIT, "--out", str(out)]) == 0
+    capsys.readouterr()
+    real = shutil.rmtree
+    monkeypatch.setattr(shutil, "rmtree", lambda p, ignore_errors=False: None if ".old-" in str(p) else
+                        real(p, ignore_errors=ignore_errors))  # as an immutable file in the old folder would
+    assert main(["simulate", UNIT, "--out", str(out)]) == 0
+    assert "could not be deleted completely; what is left is in" in capsys.readouterr().err

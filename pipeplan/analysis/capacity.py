@@ -103,6 +103,13 @@ def capacity_table(
             r["layer_throughput_vs_1f1b"] = r["layer_tokens_per_s"] / ref["layer_tokens_per_s"]
     if ref:
         targets = {r["policy"]: depths[r["policy"]].round_up(target_ratio * ref["max_layers"]) for r in rows}
+        from pipeplan.sim.errors import PipeplanError
+        from pipeplan.sim.limits import MAX_LAYERS
+
+        if max(targets.values()) > MAX_LAYERS:  # the user set the ratio, not model.layers: name the ratio
+            raise PipeplanError(f"--target-ratio {target_ratio:g}: {target_ratio:g} x 1F1B's deepest fit "
+                                f"({ref['max_layers']} layers) is above the limit of {MAX_LAYERS:,} layers; give a "
+                                "smaller ratio (the depths evaluated are kept in the journal)")
         evaluate_all(depths, targets.items(), jobs, detail)
         for r in rows:
             fits = depths[r["policy"]]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from functools import cache
@@ -27,13 +28,17 @@ from pipeplan.common.io import (
     MANIFEST,
     OutputPathError,
     append_fsynced,
+    atomic_write_bytes,
     atomic_write_text,
     check_output_file,
     strict_json,
 )
 from pipeplan.sim.config import load_scenario
+from pipeplan.sim.limits import MAX_MODEL_DIM
 
 JOURNAL = "evaluations.jsonl"
+REJECTED_JOURNAL = "evaluations.rejected.jsonl"
+"""The journal lines a resumed run set aside (not what capacity writes) and evaluated again."""
 MAX_JOURNAL_BYTES = 256 * 2**20
 """The default --frontier run of the 70B scenario wrote 71 lines, 29.6 kB (measured, docs/memory.md): a journal
 past this, ~9,000 times that, was not written by capacity, and is refused before any work, not read into memory."""
@@ -70,6 +75,7 @@ class Journal:
     live: bool = True
     _entries: dict[str, dict[int, dict[str, Any]]] | None = field(default=None, repr=False)
     damaged: int = 0  # lines that could not be read (a torn last line, garbage): evaluated again
+    rejected: list[tuple[int, str, bytes]] = field(default_factory=list, repr=False)  # (line, why, text)
 
     @property
     def path(self) -> Path:
@@ -77,7 +83,7 @@ class Journal:
 
     def __getstate__(self) -> dict[str, Any]:  # a worker process reads the file itself
         return {"folder": self.folder, "manifest": self.manifest, "live": self.live, "_entries": None,
-                "damaged": 0}
+                "damaged": 0, "rejected": []}
 
     def check(self) -> Journal:
         """Refuse, before any work, a journal that is not a regular file or is larger than any run writes."""
@@ -103,18 +109,27 @@ class Journal:
         if self._entries is None:
             self._entries = {}
             if self.live and self.path.is_file():
-                for line in self.path.read_bytes().splitlines():
+                for number, line in enumerate(self.path.read_bytes().splitlines(), start=1):
                     if not line.strip():
                         continue
                     try:
-                        d = json.loads(line)
-                        key, ev = d["key"], d["evaluation"]
-                        if not isinstance(key, str) or not isinstance(ev, dict) or type(ev["layers"]) is not int:
-                            raise TypeError(line)
-                        self._entries.setdefault(key, {})[ev["layers"]] = ev
-                    except (ValueError, KeyError, TypeError):
+                        d = json.loads(line, parse_constant=_no_constant)
+                        problem = line_problem(d)
+                    except (ValueError, RecursionError) as exc:
+                        problem = f"not JSON ({str(exc)[:40]})"
+                    if problem is None:
+                        self._entries.setdefault(d["key"], {})[d["evaluation"]["layers"]] = d["evaluation"]
+                    else:
                         self.damaged += 1
+                        self.rejected.append((number, problem, line))
         return self._entries
+
+    def damage_report(self) -> str:
+        """One line saying which journal lines were set aside and why (the first reason), for a warning."""
+        numbers = ", ".join(str(n) for n, _, _ in self.rejected[:5]) + (" ..." if len(self.rejected) > 5 else "")
+        why = f" (line {numbers}: {self.rejected[0][1]})" if self.rejected else ""
+        return (f"{self.path}: {self.damaged} damaged line(s){why} set aside in {REJECTED_JOURNAL}; those depths "
+                "were evaluated again")
 
     def remember(self, key: str, ev: dict[str, Any]) -> None:
         """Record an evaluation journaled elsewhere (a worker process) in memory only."""
@@ -136,3 +151,47 @@ class Journal:
         lines = [json.dumps({"key": key, "evaluation": ev}, allow_nan=False)
                  for key, evs in self._load().items() for _, ev in sorted(evs.items())]
         atomic_write_text(folder / JOURNAL, "".join(f"{line}\n" for line in lines))
+        if self.rejected:  # kept for the user to inspect, out of the journal that resumes
+            atomic_write_bytes(folder / REJECTED_JOURNAL, b"".join(text + b"\n" for _, _, text in self.rejected))
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _number(value: Any, optional: bool = False) -> bool:
+    """A finite number >= 0 (None too, if `optional`): what a fresh evaluation holds."""
+    if value is None:
+        return optional
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _count(value: Any, optional: bool = False) -> bool:
+    """A layer count or a micro-batch size: an int in 1..MAX_MODEL_DIM (None too, if `optional`)."""
+    if value is None:
+        return optional
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_MODEL_DIM
+
+
+def line_problem(d: Any) -> str | None:
+    """What makes a parsed journal line other than what `append` writes (a key and analysis.capacity's
+    Evaluation.to_json), or None: a resumed answer is held to what a fresh evaluation would give."""
+    if not isinstance(d, dict) or not isinstance(d.get("key"), str) or not isinstance(d.get("evaluation"), dict):
+        return "not a {key, evaluation} record"
+    ev = d["evaluation"]
+    checks = {"layers": _count(ev.get("layers")), "fits": isinstance(ev.get("fits"), bool),
+              "variant": isinstance(ev.get("variant"), str), "note": isinstance(ev.get("note"), str),
+              "micro_batch_size": _count(ev.get("micro_batch_size"), optional=True),
+              "result": ev.get("result") is None or isinstance(ev.get("result"), dict)}
+    bad = [k for k, ok in checks.items() if not ok or k not in ev]
+    if bad:
+        return f"evaluation.{bad[0]} is missing or of the wrong type"
+    r = ev["result"]
+    if r is None:
+        return None
+    peak = r.get("peak_hbm_bytes")
+    checks = {"tokens_per_s": _number(r.get("tokens_per_s"), optional=True), "makespan_s": _number(r.get("makespan_s")),
+              "mfu": _number(r.get("mfu"), optional=True), "oom_over_limit": isinstance(r.get("oom_over_limit"), bool),
+              "peak_hbm_bytes": isinstance(peak, list) and bool(peak) and all(map(_number, peak))}
+    bad = [k for k, ok in checks.items() if not ok or k not in r]
+    return f"result.{bad[0]} is not a finite number >= 0 (or of the wrong type)" if bad else None

@@ -22,6 +22,7 @@ Set PIPEPLAN_TRACEBACK=1 to see the traceback of an unexpected error instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import signal
@@ -163,6 +164,16 @@ def _on_sigterm(signum: int, frame: object) -> None:
 _MAIN_PID = [0]
 
 
+def lock_outputs(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """Own --out while the command runs (common.io.output_lock): a second command writing there is refused."""
+    out = getattr(args, "out", None)
+    if out is None:
+        return contextlib.nullcontext()
+    from pipeplan.common.io import output_lock
+
+    return output_lock(out, args.command)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
@@ -182,7 +193,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     prefix = f"pipeplan {args.command}: error: "
     try:
         check_outputs_first(args)
-        return int(args._run(args) or 0)
+        with lock_outputs(args):
+            return int(args._run(args) or 0)
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] == "torch":
             exit_missing(args.command, exc)

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from pipeplan.common.units import GIB
@@ -68,7 +69,7 @@ def fit_line(summary: dict[str, Any], peak_key: str = "peak_hbm_bytes") -> str:
 def print_simulation(summary: dict[str, Any], title: str) -> None:
     console.print(fit_line(summary))
     cap = summary.get("hbm_capacity_bytes")
-    t = Table(title=title, show_header=True, header_style="bold")
+    t = Table(title=escape(title), show_header=True, header_style="bold")  # the title holds model.name
     t.add_column("rank", justify="right")
     t.add_column("peak activations (GiB)", justify="right")
     t.add_column("peak HBM (GiB)" + (f" of {gib(cap)}" if cap else ""), justify="right")

@@ -207,7 +207,11 @@ def render(folder: Path) -> tuple[str, str]:
     parts = sections(folder)
     if not parts:
         raise PipeplanError(f"report: {folder} holds no pipeplan outputs (json, csv or png files)")
-    kind, blocks = answer(folder)
+    try:
+        kind, blocks = answer(folder)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:  # a file without what its command writes
+        raise PipeplanError(f"report: {folder}: a file lacks what its command writes ({type(exc).__name__}: "
+                            f"{str(exc)[:60]}); rerun the command that wrote it") from None
     title = f"{TITLE}{folder.name} ({kind})"
     md = [f"# {TITLE}{md_escape(f'{folder.name} ({kind})')}", ""]
     body = [f"<h1>{html.escape(title)}</h1>"]
@@ -244,10 +248,14 @@ MD_SPECIAL = re.compile(r"([\\`*\[\]!|~]|(?<!\w)_|_(?!\w))")
 an underscore only at a word's edge (inside a word, as in `makespan_s`, CommonMark never reads it as emphasis)."""
 
 
+MD_ENTITY = re.compile(r"&(?=#?\w+;)")
+
+
 def md_escape(text: Any) -> str:
-    """`text` as literal Markdown: its punctuation backslash-escaped, <, > and & as HTML entities (a name such as
-    `<script>` or `[x](javascript:...)` from a user's scenario must show as written, never run or link)."""
-    return MD_SPECIAL.sub(r"\\\1", html.escape(str(text), quote=False)).replace("\n", " ")
+    """`text` as literal Markdown: its punctuation backslash-escaped, < and an entity's & as HTML entities (a name
+    such as `<script>` or `[x](javascript:...)` from a user's scenario must show as written, never run or link)."""
+    text = MD_ENTITY.sub("&amp;", str(text)).replace("<", "&lt;")  # no tag, no entity; `>=` stays as written
+    return MD_SPECIAL.sub(r"\\\1", text).replace("\n", " ")
 
 
 def _md_inline(text: str) -> str:

@@ -115,13 +115,28 @@ def _scenario_field(key: str) -> Any:
 
 
 def parse_scalar(text: str) -> Any:
-    """A TOML value (number, bool, string, list), or the bare word itself."""
+    """A TOML value (number, bool, string, list), or the bare word itself; one value only (a newline would let
+    `4\nfoo=1` set a second key), and no TOML date or time (no scenario key takes one; JSON has none)."""
+    if "\n" in text or "\r" in text:
+        raise PipeplanError(f"value {text[:40]!r}: holds a line break; give one value")
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text  # a bare word such as 1f1b or zbv
     except (RecursionError, ValueError):  # arrays nested thousands deep; integers of 4,300+ digits
         raise PipeplanError(f"value {text[:40]!r}...: nested too deeply or too long to be a TOML value") from None
+    if _has_datetime(value):
+        raise PipeplanError(f"value {text[:40]!r}: a TOML date or time; give a number, string or boolean")
+    return value
+
+
+def _has_datetime(value: Any) -> bool:
+    import datetime
+
+    if isinstance(value, datetime.date | datetime.time):
+        return True
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return any(_has_datetime(v) for v in items)
 
 
 def configurations(grid: dict[str, list[Any]]) -> Iterator[dict[str, Any]]:
@@ -420,13 +435,14 @@ SCHEDULER_TIMEOUT_S = 5.0
 """A Dask scheduler that has not answered its identity call by then is taken as unreachable."""
 
 
-def probe_scheduler(address: str, timeout_s: float = SCHEDULER_TIMEOUT_S) -> None:
+def probe_scheduler(address: str, timeout_s: float = SCHEDULER_TIMEOUT_S, in_process: bool = True) -> None:
     """Ask the scheduler at `address` who it is, within `timeout_s`; PipeplanError if it does not answer. Dask's
-    Client(timeout=...) bounds the TCP connect only: a port that accepts and never speaks holds it forever."""
+    Client(timeout=...) bounds the TCP connect only: a port that accepts and never speaks holds it forever.
+    `in_process=False` (the CLI) refuses inproc://, which names a cluster only the process that made it has."""
     import asyncio
 
     scheme = address.split("://", 1)[0] if "://" in address else "tcp"
-    if scheme not in SCHEDULER_SCHEMES:
+    if scheme not in SCHEDULER_SCHEMES or (scheme == "inproc" and not in_process):
         raise PipeplanError(f"--scheduler {address[:80]}: scheme {scheme[:20]}:// is not supported; give "
                             "tcp://HOST:PORT")
     if scheme == "inproc":  # a cluster in this process: nothing can be silent there

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from rich.markup import escape
 from rich.table import Table
 
 from pipeplan.analysis.console import console
@@ -121,7 +122,8 @@ def print_ranked(df: pd.DataFrame, keys: list[str], top: int) -> None:
         return "—" if v is None or pd.isna(v) else format(v, spec)
 
     for n, r in enumerate(ok.to_dict("records"), 1):
-        t.add_row(str(n), *[str(r[k]) for k in keys], fmt(r.get("gpus"), ".0f"), fmt(r.get("global_batch"), ".0f"),
+        t.add_row(str(n), *[escape(str(r[k])) for k in keys], fmt(r.get("gpus"), ".0f"),
+                  fmt(r.get("global_batch"), ".0f"),
                   fmt(r.get("tokens_per_s_per_gpu"), ",.0f"), fmt(r["tokens_per_s"], ",.0f"),
                   fmt(r["step_time_s"], ".3g"), fmt(r["bubble_ratio"], ".1%"),
                   fmt(r["max_peak_hbm_bytes"] / GIB, ".1f"), fmt(r["mfu"], ".1%"),
@@ -135,7 +137,5 @@ def print_invalid(df: pd.DataFrame) -> None:
     if not reasons:
         return
     console.print(f"[bold]{sum(r.count for r in reasons)} invalid combinations[/] (not simulated), by reason:")
-    from rich.markup import escape
-
     for r in reasons:  # a reason names scenario tables ("[model]"), which rich would take for markup and drop
         console.print(f"  {r.count:>5} x {escape(str(r.reason))}  [dim](e.g. {escape(str(r.example))})[/]")

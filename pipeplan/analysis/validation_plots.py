@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib.ticker import NullFormatter
+from rich.markup import escape
 from rich.table import Table
 
 from pipeplan.analysis.console import console
@@ -140,7 +141,7 @@ def print_summary(summaries: list[ErrorSummary], predictions: list[Prediction]) 
         reasons = Counter(p.reason for p in missing).most_common()
         console.print(f"[yellow]{len(missing)} scored rows not predicted on this build[/] (rows, why):")
         for reason, n in reasons[:MAX_REASONS]:
-            console.print(f"  {n:4d}  {reason}", highlight=False)
+            console.print(f"  {n:4d}  {escape(str(reason))}", highlight=False)
         if len(reasons) > MAX_REASONS:
             console.print(f"  ... and {len(reasons) - MAX_REASONS} more reasons")
 

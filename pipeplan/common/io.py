@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import math
 import os
 import shutil
+import socket
 import stat
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -61,8 +64,20 @@ def check_output_file(path: str | Path, flag: str = "--out") -> Path:
 
 
 def check_output_folder(path: str | Path, flag: str = "--out") -> Path:
-    """`path` as a Path if an output folder may be written there (absent, or an existing real folder)."""
-    return _check_output(path, flag, "folder", "folder")
+    """`path` as a Path if an output folder may be written there (absent, or an existing real folder), and be
+    replaced as a whole: not the current folder or a root (a rename of either fails with "Device or resource
+    busy" after all the work), in a parent folder this process may write (not read-only, not immutable)."""
+    p = _check_output(path, flag, "folder", "folder")
+    full = Path(os.path.abspath(p))
+    if full == Path.cwd() or full.parent == full or p.name in ("", ".", ".."):
+        raise OutputPathError(f"{flag} {short_path(p)}: is the current folder or a root, which cannot be replaced "
+                              "as a whole; give a subfolder, e.g. out/run")
+    parent = next((q for q in full.parents if q.exists()), None)
+    for folder in (parent, full if full.is_dir() else None):
+        if folder is not None and not os.access(folder, os.W_OK | os.X_OK):
+            raise OutputPathError(f"{flag} {short_path(p)}: {short_path(folder)} cannot be written here (read-only "
+                                  "or immutable); write elsewhere")
+    return p
 
 
 def _check_output(path: str | Path, flag: str, kind_wanted: str, noun: str) -> Path:
@@ -232,6 +247,50 @@ def append_fsynced(path: str | Path, data: bytes, first: bytes = b"") -> None:
         os.close(fd)
 
 
+LOCK_SUFFIX = ".lock"
+
+
+@contextmanager
+def output_lock(out: str | Path, command: str, flag: str = "--out") -> Iterator[None]:
+    """Hold `.<out>.lock` beside `out` (its pid and host inside) while a command writes there; OutputPathError
+    naming the holder if another process holds it. Two sweeps on one folder appended every row twice. The lock
+    is an flock, so a killed holder releases it; it lives in the parent, so a folder swapped in keeps it. Where the
+    parent does not exist yet, nobody can be writing there and nothing is locked."""
+    full = Path(os.path.abspath(out))
+    lock = full.parent / f".{full.name}{LOCK_SUFFIX}"
+    if not full.parent.is_dir():
+        yield
+        return
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError:  # a read-only parent, a link planted there: check_output_folder names the problem
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise OutputPathError(f"{flag} {short_path(out)}: in use by {holder}; wait for it to finish or choose "
+                                  "another folder") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock, follow_symlinks=False).st_ino
+        except OSError:
+            same = False
+        if same:  # not a file another holder unlinked between our open and our flock
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pipeplan {command} (pid {os.getpid()} on {socket.gethostname()})\n".encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)
+        os.close(fd)
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -384,10 +443,16 @@ def staged_output(
 
 
 def _swap_in(stage: Path, out: Path) -> None:
-    """Rename the old folder aside, the staged one into place, then delete the old one."""
+    """Rename the old folder aside, the staged one into place, then delete the old one; say which of the old
+    folder's files the new one does not have (a user's own file there is not deleted without a word)."""
     if not out.exists():
         os.rename(stage, out)
         return
+    gone = sorted(set(os.listdir(out)) - set(os.listdir(stage)))
+    if gone:
+        shown = ", ".join(short_path(name, 40) for name in gone[:5]) + (" ..." if len(gone) > 5 else "")
+        print(f"warning: {short_path(out)} replaced as a whole; {len(gone)} file(s) this run did not write are "
+              f"gone: {shown}", file=sys.stderr)
     aside = Path(tempfile.mkdtemp(dir=out.absolute().parent, prefix=f".{out.name}.old-{os.getpid()}-"))
     old = aside / "old"
     os.rename(out, old)
@@ -398,3 +463,6 @@ def _swap_in(stage: Path, out: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
         raise
     shutil.rmtree(aside, ignore_errors=True)
+    if aside.exists():  # an undeletable file in the old folder (immutable, another owner's): say where it stays
+        print(f"warning: the previous {short_path(out)} could not be deleted completely; what is left is in "
+              f"{short_path(aside)}", file=sys.stderr)

@@ -124,8 +124,7 @@ def run(args: argparse.Namespace) -> int:
     if resumed:
         print(f"resumed {resumed} evaluation(s) from {journal.path}")
     if journal.damaged:
-        print(f"warning: {journal.path}: {journal.damaged} damaged line(s) skipped; those depths were evaluated "
-              "again", file=sys.stderr)
+        print(f"warning: {journal.damage_report()}", file=sys.stderr)
     df = pd.DataFrame(rows)
     written = ["capacity.csv", "capacity.png", JOURNAL]
     with output_folder(args) as stage:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from rich.markup import escape
 from rich.table import Table
 
 from pipeplan.analysis.commands.simulate import (
@@ -209,7 +210,7 @@ def print_plan(s: dict[str, Any]) -> None:
     )
     console.print(fit_line(s, peak_key="peak_hbm_bytes_after"))
     cap = s.get("hbm_capacity_bytes")
-    t = Table(title=f"freeze plan - {title}", header_style="bold")
+    t = Table(title=f"freeze plan - {escape(title)}", header_style="bold")  # the title holds model.name
     mem_col = "peak HBM (GiB)" + (f" of {gib(cap)}" if cap else "")
     for col in ("policy", "mean freeze ratio", "makespan (s)", "speedup", "gain per unit freeze", mem_col):
         t.add_column(col, justify="right")

@@ -17,6 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
     from pipeplan.analysis.console import console, fit_line, gib, step_differs
@@ -30,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     result, _extra = simulate_with_memory_policy(sc, args.schedule_csv)
     summary = simulation_summary(result)
     p = sc.pipeline
-    console.print(f"[bold]{resolve_scenario_path(args.scenario)}[/]")
+    console.print(f"[bold]{escape(str(resolve_scenario_path(args.scenario)))}[/]")  # a path is never markup
     console.print(fit_line(summary))
     per_rank = "1 chunk" if p.virtual_stages == 1 else f"{p.virtual_stages} chunks"
     console.print(f"pipeline: {p.schedule}, {p.stages} stages x {per_rank} per rank = "
@@ -40,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
                      if sc.training.optimizer_post_validation else ""))
     if sc.model is not None:
         m, t, par = sc.model, sc.training, sc.parallel
-        console.print(f"model: {m.name}, {m.layers} layers, hidden {m.hidden}, ffn {m.ffn_hidden}, heads {m.heads} "
-                      f"(kv {m.kv_heads}), vocab {m.vocab}, seq_len {m.seq_len}")
+        console.print(f"model: {escape(m.name)}, {m.layers} layers, hidden {m.hidden}, ffn {m.ffn_hidden}, "
+                      f"heads {m.heads} (kv {m.kv_heads}), vocab {m.vocab}, seq_len {m.seq_len}")
         console.print(f"training: micro_batch_size {t.micro_batch_size}, {t.dtype}, {t.optimizer}"
                       f"{' (distributed)' if t.distributed_optimizer else ''} · parallel: tp {par.tp}, dp {par.dp}")
         dev = sc.device.resolved()

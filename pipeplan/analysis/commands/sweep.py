@@ -112,4 +112,4 @@ def check_scheduler_address(address: str) -> None:
                             "give SCHEME://HOST:PORT, e.g. tcp://10.0.0.1:8786") from None
     from pipeplan.analysis.sweep import probe_scheduler
 
-    probe_scheduler(address)  # a scheduler that does not answer is refused before the folder is claimed too
+    probe_scheduler(address, in_process=False)  # a silent scheduler is refused before the folder is claimed too
