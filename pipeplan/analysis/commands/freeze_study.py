@@ -208,6 +208,7 @@ def with_measured_ratios(table: pd.DataFrame) -> pd.DataFrame:
     """measured_cpu_ratio: CPU time per step against the same seed's unfrozen run (method none, else the
     same method at cap 0, else that method's least cap); prediction_error: predicted_gain over it, minus 1."""
     out = table.copy()
+    out["realized_mean_ratio"] = out["realized_mean_ratio"].fillna(0.0)  # method none reports no draws
     for i, r in table.iterrows():
         same = table[table["seed"] == r["seed"]]
         base = same[same["method"] == "none"]
