@@ -58,7 +58,7 @@ def inflight_lower_bound(name: str, p: np.ndarray, v: np.ndarray, m: np.ndarray)
         "1f1b": one, "zb-h1": one, "zb-2p": one,
         "interleaved-1f1b": one * v,
         "zbv": 2 * one,
-        "v-half": np.minimum(2 * m, p + 2),
+        "v-half": np.minimum(2 * m, np.where(p >= 2, 2 * ((p + 2) // 2), 2)),  # its cap (docs/schedules.md)
         "chronos": v,
     }
     return rules.get(name, np.ones_like(p))
@@ -166,8 +166,8 @@ def screen(sc: Scenario, space: Space) -> Screen:
     rank_layers = space.v * chunk_layers  # decoder layers every rank holds, at least
     static = rank_layers * layer_params * per_param + runtime
     inflight = np.ones(n)
-    v_shaped = np.zeros(n, dtype=bool)
-    no_split = np.zeros(n, dtype=bool)  # schedules whose backward is one B action  # the first and last chunks on one rank (V placement, or one rank)
+    v_shaped = np.zeros(n, dtype=bool)  # the first and last chunks on one rank (V placement, or one rank)
+    no_split = np.zeros(n, dtype=bool)  # schedules whose backward is one B action
     for si, name in enumerate(space.names["schedule"]):
         s = space.schedule == si
         inflight[s] = inflight_lower_bound(name, space.pp[s], space.v[s], space.m[s])

@@ -1,0 +1,135 @@
+"""`pipeplan search`: on reduced spaces, branch and bound gives exhaustive simulation's winner and fits; its
+bounds are bounds; the command's outputs and bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pipeplan.sim.config import parse_scenario, resolve_scenario_path, set_dotted
+from pipeplan.sim.ir import BACKWARD_KINDS, Kind
+from pipeplan.sim.schedules import SCHEDULES, build_schedule, schedule_names
+from pipeplan.solver.search.run import search, winner
+from pipeplan.solver.search.screen import inflight_lower_bound, screen
+from pipeplan.solver.search.space import SpaceOptions, build_space
+
+
+def _tiny(hbm_gib: float, **keys):
+    path = resolve_scenario_path("tiny-cpu")
+    raw = tomllib.loads(path.read_text())
+    set_dotted(raw, "device.hbm_gib", hbm_gib)
+    for k, v in keys.items():
+        set_dotted(raw, k.replace("__", "."), v)
+    return raw, str(path), str(path.parent), parse_scenario(raw, str(path), path.parent)
+
+
+REDUCED = SpaceOptions(schedules={"gpipe": (1,), "1f1b": (1,), "zb-2p": (1,), "interleaved-1f1b": (2,),
+                                  "zbv": (2,), "v-half": (2,)},
+                       recompute=("none", "full", "selective-op"), offload=(0.0, 0.5), optimizer=("hbm", "dram"),
+                       zero=(0, 1), max_micro_batch=2)
+
+
+@pytest.mark.parametrize(("hbm_gib", "gpus", "batch"), [(0.12, 8, 16), (0.06, 4, 16), (1.0, 8, 32)])
+def test_search_equals_exhaustive_simulation(hbm_gib, gpus, batch):
+    raw, source, folder, sc = _tiny(hbm_gib)
+    space = build_space(sc, gpus, batch, REDUCED)
+    fast = search(raw, source, folder, sc, space)
+    full = search(raw, source, folder, sc, space, exhaustive=True)
+    assert len(full.rows) == len(space)  # every candidate valid and simulated
+    w_fast, w_full = winner(fast), winner(full)
+    assert (w_fast is None) == (w_full is None)
+    if w_full is not None:
+        assert int(w_fast["candidate"]) == int(w_full["candidate"])
+        assert w_fast["step_time_s"] == w_full["step_time_s"]
+    # what search simulated, it reports as exhaustive simulation does
+    both = fast.rows.merge(full.rows, on="candidate", suffixes=("", "_full"))
+    assert len(both) == len(fast.rows)
+    assert (both["fits"] == both["fits_full"]).all()
+    assert np.allclose(both["step_time_s"], both["step_time_s_full"])
+    # bounds are bounds: no simulated step below its screen or refined bound, nothing screened out fits
+    assert (full.rows["step_time_s"] >= full.rows["screen_lb_s"]).all()
+    assert (full.rows["step_time_s"] >= full.rows["refined_lb_s"]).all()
+    bounds = screen(sc, space)
+    out = bounds.hbm_lb_bytes > bounds.hbm_limit_bytes
+    fits = full.rows.set_index("candidate")["fits"].astype(bool)
+    assert not fits[np.flatnonzero(out)].any()
+    peaks = full.rows.set_index("candidate")["max_peak_hbm_bytes"].sort_index().to_numpy()
+    assert (peaks >= bounds.hbm_lb_bytes).all()
+    # and it did prune: fewer simulations than candidates
+    assert len(fast.rows) < len(space)
+
+
+def test_search_with_workers_gives_the_same_winner():
+    raw, source, folder, sc = _tiny(0.12)
+    space = build_space(sc, 8, 16, REDUCED)
+    one, two = search(raw, source, folder, sc, space), search(raw, source, folder, sc, space, jobs=2)
+    assert int(winner(one)["candidate"]) == int(winner(two)["candidate"])
+
+
+def _inflight(schedule) -> int:
+    best = 0
+    for acts in schedule.ranks:
+        live = 0
+        for a in acts:
+            live += a.kind is Kind.F
+            live -= a.kind in BACKWARD_KINDS
+            best = max(best, live)
+    return best
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-2p", "interleaved-1f1b", "zbv", "v-half", "chronos"])
+def test_inflight_lower_bound_holds_on_built_schedules(name):
+    schedule_names()  # registers the built-in schedules
+    for p in (1, 2, 3, 4, 6, 8):
+        for m in (1, 2, 3, p, 2 * p, 3 * p + 1, 4 * p):
+            for v in (1, 2, 4):
+                if SCHEDULES[name].check(p, m, v):
+                    continue
+                bound = inflight_lower_bound(name, np.array([p]), np.array([v]), np.array([m]))[0]
+                assert bound <= _inflight(build_schedule(name, p, m, v)), (p, m, v)
+
+
+def test_space_holds_the_batch_and_gpu_count_fixed():
+    _, _, _, sc = _tiny(1.0)
+    space = build_space(sc, 8, 32)
+    assert len(space) > 1000
+    assert (space.tp * space.pp * space.dp == 8).all()
+    assert (space.m * space.mbs * space.dp == 32).all()
+    assert (sc.parallel.gpus_per_node % space.tp == 0).all()
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "pipeplan.analysis.cli", "search", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_search_command_writes_answer(tmp_path):
+    out = tmp_path / "s"
+    r = _cli("tiny-cpu", "--gpus", "4", "--global-batch", "8", "--set", "device.hbm_gib=0.12", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = pd.read_csv(out / "search.csv")
+    for col in ("gpus", "global_batch", "tokens_per_s_per_gpu", "fits", "peak_hbm_gib", "headroom_gib"):
+        assert col in rows
+    assert (rows["gpus"] == 4).all() and (rows["global_batch"] == 8).all()
+    assert bool(rows.iloc[0]["fits"]) and rows.iloc[0]["headroom_gib"] >= 0
+    pruned = pd.read_csv(out / "pruned.csv")
+    assert pruned["count"].sum() > len(rows)
+    assert "fastest that fit" in r.stdout
+
+
+@pytest.mark.parametrize(("args", "field"), [
+    (["--gpus", "x", "--global-batch", "8"], "--gpus"),
+    (["--gpus", "4", "--global-batch", "0"], "--global-batch"),
+    (["--gpus", "64", "--global-batch", "7"], "--gpus 64 --global-batch 7"),
+    (["--gpus", "4", "--global-batch", "8", "--margin", "-1"], "--margin"),
+    (["--gpus", "4", "--global-batch", "8", "--device", "nope"], "device"),
+])
+def test_search_bad_input_is_one_line(tmp_path, args, field):
+    r = _cli("tiny-cpu", *args, "--out", str(tmp_path / "o"))
+    assert r.returncode == 2
+    assert field in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
