@@ -133,3 +133,38 @@ def test_search_bad_input_is_one_line(tmp_path, args, field):
     r = _cli("tiny-cpu", *args, "--out", str(tmp_path / "o"))
     assert r.returncode == 2
     assert field in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_best_per_gpu_count_keeps_the_ranking():
+    """Regression: sort_values("gpus") (quicksort) reordered rows of equal GPU count and the table showed the
+    wrong row per count; here 200 rows, best first, with the best of each count far from the front."""
+    from pipeplan.analysis.report_answers import best_per_gpu_count
+    from pipeplan.analysis.sweep import ranked
+
+    rng = np.random.default_rng(0)
+    df = pd.DataFrame({"gpus": rng.choice([32, 64, 128], 200), "tokens_per_s_per_gpu": rng.uniform(100, 500, 200),
+                       "max_peak_hbm_bytes": 1.0, "step_time_s": 1.0})
+    per = best_per_gpu_count(ranked(df))
+    assert list(per["gpus"]) == [32, 64, 128]
+    assert np.allclose(per["tokens_per_s_per_gpu"], df.groupby("gpus")["tokens_per_s_per_gpu"].max().to_numpy())
+
+
+def test_heatmap_axis_order_is_numeric_for_numpy_integers():
+    from pipeplan.analysis.sweep_plots import _order
+
+    values = [np.int64(16), np.int64(8), np.int64(128), np.float64(2.5)]
+    assert sorted(values, key=_order) == [2.5, 8, 16, 128]
+    assert sorted(["zbv", np.int64(4), "1f1b"], key=_order)[0] == 4
+
+
+def test_report_leads_with_the_search_answer(tmp_path):
+    out = tmp_path / "s"
+    assert _cli("tiny-cpu", "--gpus", "4", "--global-batch", "8", "--out", str(out)).returncode == 0
+    r = subprocess.run([sys.executable, "-m", "pipeplan.analysis.cli", "report", str(out)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    text = (out / "report.md").read_text()
+    best = pd.read_csv(out / "search.csv").iloc[0]
+    lead = text.split("\n\n")[1]
+    assert lead.startswith("**4 GPUs, global batch 8: run") and f"schedule = {best['pipeline.schedule']}" in lead
+    assert "Headroom" in lead and "How the rest was ruled out" in text

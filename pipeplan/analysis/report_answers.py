@@ -1,5 +1,6 @@
 """The top of a report: the answer to the question the folder's command was run to ask, before any raw file.
 
+- search: per GPU count, the winner, the runner-ups, what limits each and the headroom;
 - sweep: the fastest configuration that fits (overall and per GPU count), what limits it, a ranked table of
   those that fit, then those that do not, then invalid combinations by reason;
 - plan: the speedup, and whether the planned step fits;
@@ -47,6 +48,8 @@ class Block(NamedTuple):
 def answer(folder: Path) -> tuple[str, list[Block]]:
     """(kind of folder, blocks that answer its question); an empty list when the folder is of no known kind."""
     names = {p.name for p in folder.iterdir()}
+    if "search.csv" in names:
+        return "search", search_answer(folder)
     if "sweep.csv" in names and "plan.json" not in names:
         if "speedup" in _columns(folder / "sweep.csv"):
             return "freeze cap sweep", plan_sweep_answer(folder)
@@ -102,7 +105,7 @@ def sweep_answer(folder: Path) -> list[Block]:
         out.append(Block("image", folder / "pareto.png"))
     if "gpus" in fit and fit["gpus"].nunique() > 1:
         out.append(Block("h2", "Best that fits, per GPU count"))
-        per = fit.sort_values("gpus").groupby("gpus", sort=True).head(1).sort_values("gpus")
+        per = best_per_gpu_count(fit)
         out.append(Block("table", _sweep_table(per, keys)))
     out.append(Block("h2", f"Configurations that fit ({len(fit)}), fastest first by {SPEED_NAMES.get(col, col)}"))
     if len(fit) > TOP_FITTING:
@@ -120,6 +123,65 @@ def sweep_answer(folder: Path) -> list[Block]:
         out.append(Block("table", pd.DataFrame([{"count": r.count, "reason": r.reason, "for example": r.example}
                                                 for r in reasons])))
     return out
+
+
+def best_per_gpu_count(fit: pd.DataFrame) -> pd.DataFrame:
+    """The first row of each GPU count in `fit` (ranked best first), by GPU count. The ranking decides which row:
+    grouping keeps each group's rows in their order, and the final sort is stable (a plain sort_values is
+    quicksort, which reorders equal keys and so threw the ranking away)."""
+    return fit.groupby("gpus", sort=True).head(1).sort_values("gpus", kind="stable")
+
+
+# --- search ------------------------------------------------------------------------------------------------
+
+SEARCH_KEYS = ["parallel.tp", "pipeline.stages", "parallel.dp", "pipeline.schedule", "pipeline.virtual_stages",
+               "training.micro_batch_size", "pipeline.microbatches", "memory.recompute",
+               "memory.offload_activations", "memory.optimizer", "parallel.zero"]
+TOP_RUNNERS_UP = 5
+
+
+def search_answer(folder: Path) -> list[Block]:
+    """Per GPU count searched: the winner, the runner-ups, what limits each, and the headroom."""
+    df = pd.read_csv(folder / "search.csv") if (folder / "search.csv").stat().st_size > 1 else pd.DataFrame()
+    out: list[Block] = []
+    if not len(df):
+        return [Block("lead", "Nothing was simulated: every candidate was pruned (pruned.csv says why).")]
+    df = df.assign(status="ok")
+    keys = [k for k in SEARCH_KEYS if k in df]
+    for n, group in df.groupby("gpus", sort=True):
+        fit = ranked(fitting(group))
+        batch = int(group["global_batch"].iloc[0])
+        if fit.empty:
+            out.append(Block("lead", f"{n} GPUs, global batch {batch}: nothing fits — every candidate that could "
+                                     "win runs out of HBM (the closest is "
+                                     f"{_gib(group['over_capacity_bytes'].min())} over)."))
+            continue
+        best = fit.iloc[0]
+        head = f"{n} GPUs, global batch {batch}: run " + _config(best, keys).removesuffix(f", on {n} GPUs")
+        out.append(Block("lead", head + " — " + _speed(best) + f" Headroom {float(best['headroom_gib']):.1f} GiB."))
+        out.append(Block("list", limits(best, group, keys)))
+        if len(fit) > 1:
+            out.append(Block("h2", f"Runner-ups on {n} GPUs"))
+            table = _sweep_table(fit.iloc[1:1 + TOP_RUNNERS_UP], keys)
+            table["headroom"] = [f"{v:.1f} GiB" for v in fit["headroom_gib"].iloc[1:1 + TOP_RUNNERS_UP]]
+            table["limited by"] = [_limited_by(r) for _, r in fit.iloc[1:1 + TOP_RUNNERS_UP].iterrows()]
+            out.append(Block("table", table))
+    if (folder / "pruned.csv").exists():
+        out.append(Block("h2", "How the rest was ruled out"))
+        out.append(Block("p", "A candidate is pruned only when a lower bound proves it cannot fit or cannot beat a "
+                              "step already simulated (docs/search.md)."))
+        out.append(Block("table", pd.read_csv(folder / "pruned.csv")))
+    return out
+
+
+def _limited_by(r: pd.Series) -> str:
+    """One word on what most holds a configuration back: memory, bubbles, communication, or compute."""
+    if float(r.get("headroom_gib", 1e9)) * GiB < MEMORY_TIGHT * float(r["max_peak_hbm_bytes"]):
+        return "memory"
+    comm = float(r.get("p2p_wait_share", 0) or 0) + float(r.get("step_tail_share", 0) or 0)
+    if comm > COMM_HIGH:
+        return "communication"
+    return "bubbles" if float(r["bubble_ratio"]) > BUBBLE_HIGH else "compute"
 
 
 def _config(r: pd.Series, keys: list[str]) -> str:
