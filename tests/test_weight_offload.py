@@ -166,11 +166,11 @@ def test_memory_milp_offloads_weights_when_it_pays(monkeypatch):
 
     *_, kept = _run(ONE_MB)
     _, chunk0_plan, chunk0 = _run({**ONE_MB, "memory.offload_weights": [c == 0 for c in range(16)]})
-    margin = load_scenario(SEVENTY, ONE_MB).memory.hbm_margin_gib
+    margin = 0.0  # the limit below is the capacity itself
     auto = {**ONE_MB, "memory.plan": True, "memory.offload_weights": "auto", "memory.plan_recompute": "full"}
     for limit, offloads in ((kept.peak_hbm_bytes.max() * 1.01, False),
                             (kept.peak_hbm_bytes.max() - 0.5 * chunk0_plan.weight_offload_bytes[0], True)):
-        sc = load_scenario(SEVENTY, {**auto, "device.hbm_gib": limit / 2**30 + margin})
+        sc = load_scenario(SEVENTY, {**auto, "device.hbm_gib": limit / 2**30 + margin, "memory.hbm_margin_gib": margin})
         planned = plan_memory(sc, build_cost_table(sc), resolve_schedule(sc))
         assert planned.choice.weight_mask.tolist() == [offloads] + [False] * 15
         assert not planned.recompute_layers.any() and not planned.dram_layers.any()

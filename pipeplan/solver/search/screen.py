@@ -180,7 +180,7 @@ def screen(sc: Scenario, space: Space) -> Screen:
     last_rank = static + head_params * per_param + np.where(v_shaped, emb_params * per_param, 0.0) \
         + held * (logits + chunk_layers * np.maximum(kept, 0.0))
     hbm_lb = np.maximum(static + act, last_rank)
-    hbm = dev["hbm_gib"] * GIB - sc.memory.hbm_margin_gib * GIB
+    hbm = dev["hbm_gib"] * GIB - sc.memory.margin_bytes(dev["hbm_gib"] * GIB)
     # time: the mean rank's work, and the work of the ranks holding the LM head and the embedding
     per_rank = rank_layers * layer_work
     step_lb = space.m * np.maximum.reduce([
