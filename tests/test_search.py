@@ -168,3 +168,15 @@ def test_report_leads_with_the_search_answer(tmp_path):
     lead = text.split("\n\n")[1]
     assert lead.startswith("**4 GPUs, global batch 8: run") and f"schedule = {best['pipeline.schedule']}" in lead
     assert "Headroom" in lead and "How the rest was ruled out" in text
+
+
+def test_sweep_holds_gpus_and_global_batch_fixed(tmp_path):
+    out = tmp_path / "sw"
+    r = subprocess.run([sys.executable, "-m", "pipeplan.analysis.cli", "sweep", "tiny-cpu",
+                        "--grid", "pipeline.stages=2,4", "--grid", "parallel.dp=1,2",
+                        "--grid", "pipeline.microbatches=4,8",
+                        "--gpus", "8", "--global-batch", "16", "--jobs", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = pd.read_csv(out / "sweep.csv")
+    assert len(rows) == 1 and rows.iloc[0]["gpus"] == 8 and rows.iloc[0]["global_batch"] == 16
