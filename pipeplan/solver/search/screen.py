@@ -142,11 +142,10 @@ def screen(sc: Scenario, space: Space) -> Screen:
                 variant(v, {"pipeline.stages": 1 if single else 2, "pipeline.virtual_stages": 1}))
 
     # per (TP, PP, DP, ZeRO, optimizer tier): model-state bytes per parameter in HBM, the runtime's buffers
-    per_param = np.zeros(n)
-    runtime = np.zeros(n)
     key5 = np.stack([space.tp, space.pp, space.dp, space.zero, space.optimizer], 1)
     uniq, inv = np.unique(key5, axis=0, return_inverse=True)
     inv = inv.reshape(-1)
+    per_key_param, per_key_runtime = np.zeros(len(uniq)), np.zeros(len(uniq))
     for k, (t, p, d, z, tier) in enumerate(uniq):
         v = variant(sc, {"parallel.tp": int(t), "pipeline.stages": int(p), "parallel.dp": int(d),
                          "parallel.zero": int(z), "memory.optimizer": space.names["optimizer"][tier]})
@@ -154,9 +153,10 @@ def screen(sc: Scenario, space: Space) -> Screen:
         hbm = parts["weights"] + parts["gradients"]
         if v.memory.optimizer == "hbm":
             hbm += parts["master_weights"] + parts["optimizer"]
-        per_param[inv == k] = hbm
-        runtime[inv == k] = runtime_bytes(v, dev, 0.0)
+        per_key_param[k] = hbm
+        per_key_runtime[k] = runtime_bytes(v, dev, 0.0)
 
+    per_param, runtime = per_key_param[inv], per_key_runtime[inv]
     chunk_layers = layers // (space.pp * space.v)
     if sc.pipeline.layers_per_stage != "even":
         chunk_layers = np.zeros(n, dtype=np.int64)  # a given or balanced split can leave a chunk with none

@@ -18,13 +18,13 @@ from pipeplan.sim.config import Scenario
 from pipeplan.sim.errors import PipeplanError
 
 SCHEDULE_CHUNKS: dict[str, tuple[int, ...]] = {
-    "gpipe": (1,), "1f1b": (1,), "zb-h1": (1,), "zb-2p": (1,), "interleaved-1f1b": (2, 4),
-    "zbv": (2,), "v-half": (2,), "chronos": (2,),
+    "gpipe": (1,), "1f1b": (1,), "zb-h1": (1,), "zb-2p": (1,), "interleaved-1f1b": (2, 3, 4),
+    "zbv": (2,), "v-half": (2,), "chronos": (2, 4),
 }
 """Each schedule and the virtual-stage counts searched (docs/schedules.md: zbv and v-half take exactly 2)."""
 RECOMPUTE = ("none", "selective", "selective-op", "full")
 """Recomputation policies searched; "chronos" needs a keep-everything simulation per candidate to decide."""
-OFFLOAD = (0.0, 0.5)
+OFFLOAD = (0.0, 0.25, 0.5, 1.0)
 """Shares of each kept activation offloaded to DRAM."""
 OPTIMIZER_TIERS = ("hbm", "dram")
 ZERO = (0, 1, 2, 3)
