@@ -180,3 +180,26 @@ def test_sweep_holds_gpus_and_global_batch_fixed(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = pd.read_csv(out / "sweep.csv")
     assert len(rows) == 1 and rows.iloc[0]["gpus"] == 8 and rows.iloc[0]["global_batch"] == 16
+
+
+def test_report_leads_with_answers_for_validate_and_freeze_study(tmp_path):
+    from pipeplan.analysis.report_answers import answer
+
+    val = tmp_path / "val"
+    val.mkdir()
+    pd.DataFrame({"source": ["a", "a", "b"], "table": ["1", "1", "2"], "case": ["x", "y", "z"],
+                  "metric": ["memory", "time", "memory"], "published": [1, 2, 3], "predicted": [1.1, 2, 2.4],
+                  "rel_error": [0.1, 0.0, -0.2]}).to_csv(val / "validation.csv", index=False)
+    kind, blocks = answer(val)
+    assert kind == "validation" and blocks[0].kind == "lead"
+    assert blocks[0].payload == "3 published figures predicted: mean |error| 10.0%, max 20.0% (b, z)."
+    memory = blocks[1].payload[0]
+    assert "memory: 2 figures, mean |error| 15.0%, max 20.0%" in memory and "not met" in memory
+    study = tmp_path / "study"
+    study.mkdir()
+    pd.DataFrame({"cap": [0, 0.3, 0.6], "heldout_loss": [2.5, 2.55, 2.7], "mean_step_time_s": [1.0, 0.8, 0.85],
+                  "predicted_step_time_s": [0.9, 0.75, 0.8]}).to_csv(study / "freeze_study.csv", index=False)
+    kind, blocks = answer(study)
+    assert kind == "freeze study"
+    assert blocks[0].payload.startswith("Cap 0.3 is fastest: mean step 0.8 s, 1.25x cap 0's")
+    assert "(+0.050 against cap 0)" in blocks[0].payload
