@@ -177,7 +177,8 @@ def test_memory_milp_offloads_weights_when_it_pays(monkeypatch):
         expected = chunk0 if offloads else kept
         assert planned.simulated.makespan_s == pytest.approx(expected.makespan_s, rel=1e-12)
         assert planned.simulated.peak_hbm_bytes.max() <= limit
-    sc = load_scenario(SEVENTY, {**auto, "memory.plan_recompute": "full+op", "device.hbm_gib": limit / 2**30 + margin})
+    sc = load_scenario(SEVENTY, {**auto, "memory.plan_recompute": "full+op", "device.hbm_gib": limit / 2**30 + margin,
+                                 "memory.hbm_margin_gib": margin})
     op = plan_memory(sc, build_cost_table(sc), resolve_schedule(sc))
     assert op.choice.op_recompute_layers.tolist() == [1] + [0] * 15 and not op.choice.weight_mask.any()
     assert op.simulated.makespan_s < chunk0.makespan_s and op.simulated.peak_hbm_bytes.max() <= limit

@@ -24,6 +24,10 @@ from pipeplan.solver.search.screen import Screen, screen
 from pipeplan.solver.search.space import KEYS, Space
 
 Progress = Callable[[int, int, str], None]
+SEEDS = 4
+"""Candidates simulated first to set a good incumbent (branch and bound's pruning is only as good as it)."""
+SEED_HEADROOM = 0.8
+"""Seeds are taken among candidates whose peak-HBM bound is at most this share of the limit."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,17 @@ def search(raw: dict[str, Any], source: str, base_dir: str | None, sc: Any, spac
             return None
         return i
 
+    # seed the incumbent: a few candidates likely to be fast and to fit (screen bound stretched by a 1F1B-like
+    # bubble, memory bound well under the limit) are simulated first, so the refine can prune against a good
+    # step from the start. Only the order of work changes; the stopping rule is the same.
+    seeds: list[int] = []
+    if not exhaustive and len(order):
+        guess = screened.step_lb_s * (1.0 + (space.pp - 1) / (space.m * space.v))
+        roomy = order[screened.hbm_lb_bytes[order] <= SEED_HEADROOM * screened.hbm_limit_bytes]
+        seeds = [int(i) for i in roomy[np.argsort(guess[roomy], kind="stable")[:SEEDS]]]
+        for i in seeds:
+            take(i, evaluate(space.overrides(i), best[0]))
+        heap = [(lb, i) for lb, i in heap if i not in set(seeds)]
     if jobs <= 1:
         while (i := next_index()) is not None:
             take(i, evaluate(space.overrides(i), best[0], prune=not exhaustive))
