@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if args.margin is not None and args.margin < 0:
         raise PipeplanError(f"--margin: {args.margin}; must be >= 0 GiB")
     raw, source, folder = base_scenario(args)
+    args.scenario = args.model  # pipeplan.json names what was searched
     sc = parse_scenario(raw, source=source, base_dir=Path(folder) if folder else None)
     spaces = {n: build_space(sc, n, args.global_batch) for n in counts}  # bad sizes: one line, before any work
     frames, pruned_rows, summary = [], [], {"model": args.model, "global_batch": args.global_batch, "answers": []}
