@@ -169,6 +169,22 @@ def test_hf_config_json_fills_the_model(tmp_path):
         load_scenario(tmp_path / "bad.toml")
 
 
+def test_hf_config_seq_len_moe_and_which_wins(tmp_path):
+    from pipeplan.sim.hf_config import DEFAULT_SEQ_LEN
+
+    cfg = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+           "max_position_embeddings": 131072}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "s.toml").write_text('[pipeline]\nstages = 4\nmicrobatches = 8\n[model]\nconfig = "config.json"\n')
+    assert load_scenario(tmp_path / "s.toml").model.seq_len == DEFAULT_SEQ_LEN  # not 131,072
+    (tmp_path / "moe.json").write_text(json.dumps({**cfg, "num_local_experts": 8, "num_experts_per_tok": 2}))
+    with pytest.raises(ScenarioError, match=r"mixture-of-experts model \(num_local_experts = 8\)"):
+        load_scenario(tmp_path / "s.toml", {"model.config": "moe.json"})
+    with pytest.raises(ScenarioError, match=r"config\.json would be ignored \(layers = 48 here, 32 there\)"):
+        load_scenario("llama2-70b-48l-pp8-tp8-a100", {"model.config": str(tmp_path / "config.json")})
+
+
 def test_ring_collectives_closed_forms():
     link = Link(100e9, 5e-6)
     assert all_reduce_s(8e9, 8, link) == pytest.approx(14 * 5e-6 + 2 * 7 / 8 * 8e9 / 100e9)

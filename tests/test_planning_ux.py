@@ -14,7 +14,7 @@ import pytest
 from pipeplan.scenarios import scenario_path
 
 from pipeplan.analysis.cli import COMMANDS, main
-from pipeplan.sim.config import load_scenario
+from pipeplan.sim.config import HBM_MARGIN_SHARE, load_scenario
 
 UNIT = str(scenario_path("explicit-unit"))
 
@@ -36,7 +36,8 @@ def test_fits_is_peak_against_capacity_on_the_tightest_rank(tmp_path, capsys):
     for folder in (tight, roomy):
         s = _summary(folder)
         peaks = np.array(s["peak_hbm_bytes"])
-        assert s["hbm_limit_bytes"] == s["hbm_capacity_bytes"]  # no margin in the scenario
+        # no margin in the scenario: the default keeps 5% of capacity free (MemoryConfig.margin_bytes)
+        assert s["hbm_limit_bytes"] == pytest.approx((1 - HBM_MARGIN_SHARE) * s["hbm_capacity_bytes"])
         assert s["tightest_rank"] == int(peaks.argmax())
         assert s["over_capacity_bytes"] == pytest.approx(max(0.0, peaks.max() - s["hbm_limit_bytes"]))
         assert s["fits"] == bool(peaks.max() <= s["hbm_limit_bytes"])
@@ -54,7 +55,8 @@ def test_plan_says_plainly_when_it_does_not_fit(tmp_path, capsys):
     text = capsys.readouterr().out
     plan = json.loads((out / "plan.json").read_text())
     assert plan["fits"] is False and plan["fits_before"] is False
-    assert plan["over_capacity_bytes"] == pytest.approx(plan["peak_hbm_bytes_after"] - 2**30 * 1e-9)
+    limit = (1 - HBM_MARGIN_SHARE) * 2**30 * 1e-9  # the default margin: 5% of capacity
+    assert plan["over_capacity_bytes"] == pytest.approx(plan["peak_hbm_bytes_after"] - limit)
     assert text.startswith("DOES NOT FIT") and "The plan does not fit" in text and "peak HBM (GiB)" in text
     assert not (out / "gantt.png").exists() and (out / "gantt_after.png").exists()  # no duplicate Gantt
 

@@ -122,7 +122,7 @@ def test_planner_offloads_the_stash_where_nothing_else_fits_and_predicts_the_ste
     without = smallest_hbm_bytes(kept, costs, sched).bytes
     assert with_stash < without * 0.99
     limit = (with_stash + without) / 2
-    over = {**SMALL, "device.hbm_gib": limit / 2**30 + sc.memory.hbm_margin_gib}
+    over = {**SMALL, "device.hbm_gib": limit / 2**30, "memory.hbm_margin_gib": 0.0}
     sc = load_scenario(SEVENTY, over)
     costs = build_cost_table(sc)
     planned = plan_memory(sc, costs, sched)

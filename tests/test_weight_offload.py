@@ -166,18 +166,19 @@ def test_memory_milp_offloads_weights_when_it_pays(monkeypatch):
 
     *_, kept = _run(ONE_MB)
     _, chunk0_plan, chunk0 = _run({**ONE_MB, "memory.offload_weights": [c == 0 for c in range(16)]})
-    margin = load_scenario(SEVENTY, ONE_MB).memory.hbm_margin_gib
+    margin = 0.0  # the limit below is the capacity itself
     auto = {**ONE_MB, "memory.plan": True, "memory.offload_weights": "auto", "memory.plan_recompute": "full"}
     for limit, offloads in ((kept.peak_hbm_bytes.max() * 1.01, False),
                             (kept.peak_hbm_bytes.max() - 0.5 * chunk0_plan.weight_offload_bytes[0], True)):
-        sc = load_scenario(SEVENTY, {**auto, "device.hbm_gib": limit / 2**30 + margin})
+        sc = load_scenario(SEVENTY, {**auto, "device.hbm_gib": limit / 2**30 + margin, "memory.hbm_margin_gib": margin})
         planned = plan_memory(sc, build_cost_table(sc), resolve_schedule(sc))
         assert planned.choice.weight_mask.tolist() == [offloads] + [False] * 15
         assert not planned.recompute_layers.any() and not planned.dram_layers.any()
         expected = chunk0 if offloads else kept
         assert planned.simulated.makespan_s == pytest.approx(expected.makespan_s, rel=1e-12)
         assert planned.simulated.peak_hbm_bytes.max() <= limit
-    sc = load_scenario(SEVENTY, {**auto, "memory.plan_recompute": "full+op", "device.hbm_gib": limit / 2**30 + margin})
+    sc = load_scenario(SEVENTY, {**auto, "memory.plan_recompute": "full+op", "device.hbm_gib": limit / 2**30 + margin,
+                                 "memory.hbm_margin_gib": margin})
     op = plan_memory(sc, build_cost_table(sc), resolve_schedule(sc))
     assert op.choice.op_recompute_layers.tolist() == [1] + [0] * 15 and not op.choice.weight_mask.any()
     assert op.simulated.makespan_s < chunk0.makespan_s and op.simulated.peak_hbm_bytes.max() <= limit

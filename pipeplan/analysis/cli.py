@@ -38,6 +38,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": (".commands.plan", "plan per-microbatch freeze ratios (TimelyFreeze LP), verified by simulation"),
     "capacity": (".commands.capacity", "per memory policy, the deepest model that fits HBM and its speed"),
     "sweep": (".commands.sweep", "what-if grid over scenario keys: ranked, Pareto plot, heatmap; resumable"),
+    "search": (".commands.search", "the fastest configuration that fits N GPUs at a fixed global batch, proven by "
+               "simulation"),
     "report": (".commands.report", "one readable page (HTML + Markdown) from any pipeplan output folder"),
     "validate": (".commands.validate", "predict published measurements (papers, torchtitan) and report errors"),
     "scenarios": (".commands.scenarios", "list the shipped scenarios (usable by name in every command)"),

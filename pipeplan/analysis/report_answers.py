@@ -1,5 +1,8 @@
 """The top of a report: the answer to the question the folder's command was run to ask, before any raw file.
 
+- validate: mean and max error against the published figures, per metric against its target, the worst;
+- freeze-study: the fastest cap against cap 0, its held-out loss, the predicted against the measured step;
+- search: per GPU count, the winner, the runner-ups, what limits each and the headroom;
 - sweep: the fastest configuration that fits (overall and per GPU count), what limits it, a ranked table of
   those that fit, then those that do not, then invalid combinations by reason;
 - plan: the speedup, and whether the planned step fits;
@@ -47,6 +50,12 @@ class Block(NamedTuple):
 def answer(folder: Path) -> tuple[str, list[Block]]:
     """(kind of folder, blocks that answer its question); an empty list when the folder is of no known kind."""
     names = {p.name for p in folder.iterdir()}
+    if "search.csv" in names:
+        return "search", search_answer(folder)
+    if "validation.csv" in names:
+        return "validation", validate_answer(folder)
+    if "freeze_study.csv" in names:
+        return "freeze study", freeze_study_answer(folder)
     if "sweep.csv" in names and "plan.json" not in names:
         if "speedup" in _columns(folder / "sweep.csv"):
             return "freeze cap sweep", plan_sweep_answer(folder)
@@ -102,7 +111,7 @@ def sweep_answer(folder: Path) -> list[Block]:
         out.append(Block("image", folder / "pareto.png"))
     if "gpus" in fit and fit["gpus"].nunique() > 1:
         out.append(Block("h2", "Best that fits, per GPU count"))
-        per = fit.sort_values("gpus").groupby("gpus", sort=True).head(1).sort_values("gpus")
+        per = best_per_gpu_count(fit)
         out.append(Block("table", _sweep_table(per, keys)))
     out.append(Block("h2", f"Configurations that fit ({len(fit)}), fastest first by {SPEED_NAMES.get(col, col)}"))
     if len(fit) > TOP_FITTING:
@@ -120,6 +129,117 @@ def sweep_answer(folder: Path) -> list[Block]:
         out.append(Block("table", pd.DataFrame([{"count": r.count, "reason": r.reason, "for example": r.example}
                                                 for r in reasons])))
     return out
+
+
+def best_per_gpu_count(fit: pd.DataFrame) -> pd.DataFrame:
+    """The first row of each GPU count in `fit` (ranked best first), by GPU count. The ranking decides which row:
+    grouping keeps each group's rows in their order, and the final sort is stable (a plain sort_values is
+    quicksort, which reorders equal keys and so threw the ranking away)."""
+    return fit.groupby("gpus", sort=True).head(1).sort_values("gpus", kind="stable")
+
+
+# --- search ------------------------------------------------------------------------------------------------
+
+SEARCH_KEYS = ["parallel.tp", "pipeline.stages", "parallel.dp", "pipeline.schedule", "pipeline.virtual_stages",
+               "training.micro_batch_size", "pipeline.microbatches", "memory.recompute",
+               "memory.offload_activations", "memory.optimizer", "parallel.zero"]
+TOP_RUNNERS_UP = 5
+
+
+def search_answer(folder: Path) -> list[Block]:
+    """Per GPU count searched: the winner, the runner-ups, what limits each, and the headroom."""
+    df = pd.read_csv(folder / "search.csv") if (folder / "search.csv").stat().st_size > 1 else pd.DataFrame()
+    out: list[Block] = []
+    if not len(df):
+        return [Block("lead", "Nothing was simulated: every candidate was pruned (pruned.csv says why).")]
+    df = df.assign(status="ok")
+    keys = [k for k in SEARCH_KEYS if k in df]
+    for n, group in df.groupby("gpus", sort=True):
+        fit = ranked(fitting(group))
+        batch = int(group["global_batch"].iloc[0])
+        if fit.empty:
+            out.append(Block("lead", f"{n} GPUs, global batch {batch}: nothing fits — every candidate that could "
+                                     "win runs out of HBM (the closest is "
+                                     f"{_gib(group['over_capacity_bytes'].min())} over)."))
+            continue
+        best = fit.iloc[0]
+        head = f"{n} GPUs, global batch {batch}: run " + _config(best, keys).removesuffix(f", on {n} GPUs")
+        out.append(Block("lead", head + " — " + _speed(best) + f" Headroom {float(best['headroom_gib']):.1f} GiB."))
+        out.append(Block("list", limits(best, group, keys)))
+        if len(fit) > 1:
+            out.append(Block("h2", f"Runner-ups on {n} GPUs"))
+            table = _sweep_table(fit.iloc[1:1 + TOP_RUNNERS_UP], keys)
+            table["headroom"] = [f"{v:.1f} GiB" for v in fit["headroom_gib"].iloc[1:1 + TOP_RUNNERS_UP]]
+            table["limited by"] = [_limited_by(r) for _, r in fit.iloc[1:1 + TOP_RUNNERS_UP].iterrows()]
+            out.append(Block("table", table))
+    if (folder / "pruned.csv").exists():
+        out.append(Block("h2", "How the rest was ruled out"))
+        out.append(Block("p", "A candidate is pruned only when a lower bound proves it cannot fit or cannot beat a "
+                              "step already simulated (docs/search.md)."))
+        out.append(Block("table", pd.read_csv(folder / "pruned.csv")))
+    return out
+
+
+def validate_answer(folder: Path) -> list[Block]:
+    """How close the predictions come to the published figures: overall, per metric against its target, and
+    the worst case."""
+    from pipeplan.analysis.validation import TARGETS
+
+    df = pd.read_csv(folder / "validation.csv")
+    err = pd.to_numeric(df["rel_error"], errors="coerce").abs()
+    df = df.assign(abs_error=err)
+    if not err.notna().any():
+        return [Block("lead", f"No published figure could be predicted ({len(df)} rows).")]
+    worst = df.loc[err.idxmax()]
+    out = [Block("lead", f"{int(err.notna().sum())} published figures predicted: mean |error| {err.mean():.1%}, "
+                         f"max {err.max():.1%} ({worst['source']}, {worst['case']}).")]
+    lines = []
+    for metric, g in df.groupby("metric", sort=True):
+        mean, top = g["abs_error"].mean(), g["abs_error"].max()
+        target = TARGETS.get(str(metric))
+        verdict = ""
+        if target is not None:
+            ok = mean <= target[0] and (target[1] is None or top <= target[1])
+            verdict = f" — target mean {target[0]:.0%}" + (f" / max {target[1]:.0%}" if target[1] else "") + \
+                (": met" if ok else ": **not met**")
+        lines.append(f"{metric}: {len(g)} figures, mean |error| {mean:.1%}, max {top:.1%}{verdict}.")
+    out.append(Block("list", lines))
+    out.append(Block("h2", "Largest errors"))
+    out.append(Block("table", df.sort_values("abs_error", ascending=False, kind="stable").head(10)[
+        ["source", "case", "metric", "published", "predicted", "rel_error"]].reset_index(drop=True)))
+    return out
+
+
+def freeze_study_answer(folder: Path) -> list[Block]:
+    """What freezing bought: the fastest cap's step against cap 0, what it cost in held-out loss, and how well the
+    simulator predicted each step."""
+    df = pd.read_csv(folder / "freeze_study.csv").sort_values("cap", kind="stable")
+    if not len(df):
+        return [Block("lead", "The study holds no run.")]
+    base = df.iloc[0]
+    fast = df.loc[pd.to_numeric(df["mean_step_time_s"], errors="coerce").idxmin()]
+    speed = float(base["mean_step_time_s"]) / float(fast["mean_step_time_s"])
+    loss = float(fast["heldout_loss"]) - float(base["heldout_loss"])
+    out = [Block("lead", f"Cap {fast['cap']:g} is fastest: mean step {float(fast['mean_step_time_s']):.3g} s, "
+                         f"{speed:.2f}x cap {base['cap']:g}'s, at a held-out loss of {float(fast['heldout_loss']):.3f}"
+                         f" ({loss:+.3f} against cap {base['cap']:g}).")]
+    pred = pd.to_numeric(df["predicted_step_time_s"], errors="coerce")
+    err = pred / pd.to_numeric(df["mean_step_time_s"], errors="coerce") - 1
+    out.append(Block("list", [f"Cap {c:g}: measured {float(m):.3g} s per step, predicted {float(p):.3g} s "
+                              f"({e:+.1%}); held-out loss {float(h):.3f}."
+                              for c, m, p, e, h in zip(df["cap"], df["mean_step_time_s"], pred, err,
+                                                       df["heldout_loss"], strict=True)]))
+    return out
+
+
+def _limited_by(r: pd.Series) -> str:
+    """One word on what most holds a configuration back: memory, bubbles, communication, or compute."""
+    if float(r.get("headroom_gib", 1e9)) * GIB < MEMORY_TIGHT * float(r["max_peak_hbm_bytes"]):
+        return "memory"
+    comm = float(r.get("p2p_wait_share", 0) or 0) + float(r.get("step_tail_share", 0) or 0)
+    if comm > COMM_HIGH:
+        return "communication"
+    return "bubbles" if float(r["bubble_ratio"]) > BUBBLE_HIGH else "compute"
 
 
 def _config(r: pd.Series, keys: list[str]) -> str:

@@ -352,8 +352,14 @@ def run_sweep(
     progress: Callable[[int, int], None] | None = None,
     base: dict[str, Any] | None = None,
     scheduler: str | None = None,
+    gpus: set[int] | None = None,
+    global_batch: int | None = None,
 ) -> pd.DataFrame:
     """Evaluate every configuration not yet in out/sweep.csv; returns all rows.
+
+    `gpus` and `global_batch` keep only the configurations of that many GPUs (stages x tp x dp) and that many
+    sequences per step (microbatches x micro_batch_size x dp): the question "N GPUs, batch B" held fixed while
+    the grid varies the rest. Combinations that do not load stay in, as invalid rows.
 
     `base` holds --set overrides applied under every configuration. The work runs in `jobs` local processes,
     or, with `scheduler` (a Dask distributed address such as tcp://host:8786), on that cluster's workers;
@@ -373,6 +379,8 @@ def run_sweep(
     done = load_rows(path, columns)
     seen = set(done["config_id"])
     todo = [c for c in configurations(grid) if config_id(c, base) not in seen]
+    if gpus is not None or global_batch is not None:
+        todo = [c for c in todo if within(scenario, {**(base or {}), **c}, gpus, global_batch)]
     total = len(seen) + len(todo)
     if progress:
         progress(len(seen), total)
@@ -385,6 +393,20 @@ def run_sweep(
             if progress:
                 progress(finished, total)
     return load_rows(path, columns)
+
+
+def within(scenario: str | None, overrides: dict[str, Any], gpus: set[int] | None, global_batch: int | None) -> bool:
+    """Whether a configuration has one of `gpus` and the `global_batch` (True where it does not load: it is then
+    an invalid row with its reason)."""
+    from pipeplan.sim.config import load_scenario
+
+    try:
+        sc = load_scenario(scenario, overrides)
+    except PipeplanError:
+        return True
+    n = sc.pipeline.stages * sc.parallel.tp * sc.parallel.dp
+    batch = sc.pipeline.microbatches * sc.training.micro_batch_size * sc.parallel.dp
+    return (gpus is None or n in gpus) and (global_batch is None or batch == global_batch)
 
 
 def _run_locally(

@@ -3,6 +3,7 @@ console's ranking and summary of invalid combinations."""
 
 from __future__ import annotations
 
+import numbers
 from pathlib import Path
 
 import numpy as np
@@ -105,7 +106,9 @@ def heatmap_plot(df: pd.DataFrame, x: str, y: str, path: Path, title: str = "") 
 
 
 def _order(v):
-    return (0, v, "") if isinstance(v, int | float) else (1, 0, str(v))
+    """Sort key for axis values: numbers by value (numpy's integers and floats too, as pandas hands them back),
+    then the rest as text, so 8 comes before 16 rather than after it."""
+    return (0, v, "") if isinstance(v, numbers.Real) and not isinstance(v, bool) else (1, 0, str(v))
 
 
 def print_ranked(df: pd.DataFrame, keys: list[str], top: int) -> None:

@@ -269,7 +269,7 @@ def with_states(sc: Scenario, costs: CostTable, plan: MemoryPlan) -> MemoryPlan:
         h2d += (parts.get("master_weights", zero) if mem.master_weights != "hbm" else 0) + (
             parts.get("gradients", zero) if mem.gradients != "hbm" else 0)
         d2h += parts.get("master_weights", zero) if mem.master_weights != "hbm" else 0
-    margin = mem.hbm_margin_gib * GIB
+    margin = mem.margin_bytes(costs.hbm_bytes)
     return MemoryPlan(
         kept_bytes=plan.kept_bytes,
         transient_bytes=plan.transient_bytes,

@@ -3,6 +3,7 @@
     pipeplan bench sim --sizes 4x8,8x32          # needs torch (its dry run is the reference)
     pipeplan bench plan --sizes 4x16,8x32
     pipeplan bench sweep --jobs 2
+    pipeplan bench search --questions tiny,8b-h100,70b-a100 --screen-only
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "sim": (".bench.sim", "simulator speed vs torch's dry run, interleaved-1f1b up to p=64 m=512 v=2"),
     "sweep": (".bench.sweep", "1,000 sweep configurations of the 8B scenario, parallel workers"),
     "plan": (".bench.plan", "freeze-LP build+solve time vs TimelyFreeze's scipy formulation"),
+    "search": (".bench.search", "search: the screen per candidate and the whole answer, per question"),
 }
 
 

@@ -54,7 +54,7 @@ tp_gbps = 450.0            # inside a tensor-parallel group (NVLink)
 recompute = "selective-op" # {recompute}; torchtitan's 8B default
                            # (op-level selective checkpointing); with "none" rank 0 needs ~87 GiB of 80
 offload_activations = 0.0  # share of saved activations moved to host memory between forward and backward
-hbm_margin_gib = 0.0       # kept free for the allocator and communication buffers
+# hbm_margin_gib = 4.0     # HBM kept free, GiB; default 5% of capacity, the memory model's error (docs/memory.md)
 
 [freeze]
 cap = 0.9                  # pipeplan plan: the largest mean freeze ratio per stage

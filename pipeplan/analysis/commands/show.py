@@ -48,8 +48,9 @@ def run(args: argparse.Namespace) -> int:
         dev = sc.device.resolved()
         console.print(f"device: {sc.device.preset}: " + ", ".join(f"{k} {v:g}" for k, v in dev.items()))
     mem = sc.memory
+    margin_gib = mem.margin_bytes(costs.hbm_bytes) / 2**30
     console.print(f"memory: recompute {mem.recompute}, offload_activations {mem.offload_activations:g} "
-                  f"({mem.activations_tier}), optimizer in {mem.optimizer}, margin {mem.hbm_margin_gib:g} GiB"
+                  f"({mem.activations_tier}), optimizer in {mem.optimizer}, margin {margin_gib:g} GiB"
                   + (", planned by the MILP" if mem.plan else ""))
     t = Table(title="costs per chunk (one microbatch)", header_style="bold")
     unit = "ms" if float(costs.forward_s.max()) < 1 else "s"

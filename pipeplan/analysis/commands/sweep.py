@@ -3,6 +3,8 @@
     pipeplan sweep llama3-8b-pp4-h100 --grid pipeline.schedule=1f1b,zb-h1,zbv --grid pipeline.microbatches=8,16,32
     pipeplan sweep llama3-8b-pp4-h100 --grid pipeline.stages=2,4,8 --set training.micro_batch_size=2
     pipeplan sweep llama3-8b-pp4-h100 --grid pipeline.microbatches=8,16 --scheduler tcp://10.0.0.1:8786
+    pipeplan sweep tiny-cpu --grid pipeline.stages=2,4 --grid parallel.dp=1,2 --grid pipeline.microbatches=4,8 \
+        --gpus 8 --global-batch 16
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run on a Dask distributed cluster, e.g. tcp://host:8786 (default: local processes)")
     parser.add_argument("--plan", action="store_true",
                         help="also solve the freeze LP per configuration (on by default when freeze.cap varies)")
+    parser.add_argument("--gpus", help="keep only configurations of this many GPUs (stages x tp x dp); a comma "
+                        "list allowed, e.g. 64 or 32,64")
+    parser.add_argument("--global-batch", type=int,
+                        help="keep only configurations of this global batch (microbatches x micro_batch_size x dp)")
     parser.add_argument("--heatmap", metavar="X,Y", help="two grid keys for the heatmap (default: the first two)")
     parser.add_argument("--top", type=int, default=10, help="rows of the ranked table (default: 10)")
     parser.add_argument("--out", default="out/sweep", help="output folder; rerunning resumes (default: out/sweep)")
@@ -67,11 +73,16 @@ def run(args: argparse.Namespace) -> int:
         check_scheduler_address(args.scheduler)
     out = Path(args.out)
     claim_sweep_folder(args)
+    from pipeplan.analysis.commands.search import parse_gpus
+
+    gpus = set(parse_gpus(args.gpus)) if args.gpus else None
+    if args.global_batch is not None and args.global_batch < 1:
+        raise PipeplanError(f"--global-batch: {args.global_batch}; must be >= 1")
     with Progress(console=console) as bar:
         task = bar.add_task("sweep" + (f" on {args.scheduler}" if args.scheduler else ""), total=None)
         rows = run_sweep(args.scenario, grid, out, args.jobs, args.plan or "freeze.cap" in grid,
                          progress=lambda done, total: bar.update(task, completed=done, total=total),
-                         base=base, scheduler=args.scheduler)
+                         base=base, scheduler=args.scheduler, gpus=gpus, global_batch=args.global_batch)
     sizes = {"pipeline.stages", "parallel.tp", "parallel.dp"}
     title = scenario_title(load_scenario(args.scenario, base), args.scenario, count=not sizes & set(grid))
     pareto_plot(rows, out / "pareto.png", title)
