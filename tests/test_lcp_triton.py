@@ -1,0 +1,101 @@
+"""The Triton kernel (lcp/gpu.py, lcp/gpu_kernel.py) against brute force, run by Triton's interpreter on CPU
+tensors (TRITON_INTERPRET=1), so its answers are known before it meets a GPU; skipped without triton.
+
+Small inputs: the interpreter runs each program's vectors through numpy, ~1e4 times slower than a GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeplan.lcp import LCPError, LCPIndex
+from tests.test_lcp_index import DTYPES, brute_force, random_case, torch_brute_force
+
+pytest.importorskip("triton")
+# Triton decides at decoration time whether a function is interpreted, its own library's (tl.sort's) at
+# its import: the cases below run in a fresh process started with TRITON_INTERPRET=1 by the first test
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+in_interpreter = pytest.mark.skipif(not INTERPRETED, reason="run by test_cases_in_the_interpreter")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the process it starts")
+def test_cases_in_the_interpreter():
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", str(Path(__file__).resolve())]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-500:]
+
+
+def triton_index(rows, lengths=None):
+    index = LCPIndex.build(rows, lengths)
+    index.engine = "triton"
+    return index
+
+
+def check(index, rows, lengths, queries, qls, k):
+    want = torch_brute_force(rows, lengths, queries, qls, k)
+    got = index.topk(queries, k, qls)
+    assert torch.equal(got.lcps, want[1]), (got.lcps, want[1])
+    assert torch.equal(got.ids, want[0]), (got.ids, want[0])
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_dtype_variable_lengths(dtype):
+    g = torch.Generator().manual_seed(3)
+    rows, lengths, queries, qls = random_case(g, 300, 7, 3, dtype=dtype, variable=True, batch=6)
+    index = triton_index(rows, lengths)
+    for k in (1, 5, 40):
+        check(index, rows, lengths, queries, qls, k)
+
+
+@in_interpreter
+@pytest.mark.parametrize("k", [1, 3, 64, 200, 1024])
+def test_tie_ranges_through_every_tree_level(k):
+    """A two-letter alphabet over 5,000 rows: S_{d*} spans whole nodes of every level (offsets and ids) and
+    partial blocks on both sides of S_{d*+1}."""
+    g = torch.Generator().manual_seed(11)
+    rows, lengths, queries, qls = random_case(g, 5000, 12, 2, batch=5)
+    check(triton_index(rows), rows, lengths, queries, qls, k)
+
+
+@in_interpreter
+def test_identical_rows_k_past_n_and_short_queries():
+    rows = torch.full((150, 4), 7, dtype=torch.uint8)
+    lengths = torch.full((150,), 4)
+    index = triton_index(rows)
+    queries = torch.tensor([[7, 7, 7, 7], [7, 1, 0, 0], [9, 9, 9, 9]], dtype=torch.uint8)
+    for qls in (torch.tensor([4, 2, 4]), torch.tensor([0, 1, 3])):
+        for k in (1, 149, 150, 160):
+            check(index, rows, lengths, queries, qls, k)
+
+
+@in_interpreter
+def test_matches_pure_python_brute_force_and_1d():
+    g = torch.Generator().manual_seed(5)
+    rows, lengths, queries, qls = random_case(g, 90, 5, 4, variable=True, batch=4, query_len=8)
+    index = triton_index(rows, lengths)
+    want_ids, want_lcps = brute_force(rows.tolist(), lengths.tolist(), queries.tolist(), qls.tolist(), 9)
+    got = index.topk(queries, 9, qls)
+    assert torch.equal(got.ids, want_ids) and torch.equal(got.lcps, want_lcps)
+    one = index.topk(queries[0], 9, int(qls[0]))
+    assert torch.equal(one.ids, want_ids[0])
+
+
+@in_interpreter
+def test_k_past_the_kernel_takes_the_torch_ops_and_engine_choice():
+    g = torch.Generator().manual_seed(2)
+    rows, lengths, queries, qls = random_case(g, 1500, 6, 2, batch=3)
+    index = triton_index(rows)
+    assert index.engine == "triton"
+    check(index, rows, lengths, queries, qls, 1100)  # > 1024: the torch ops answer
+    with pytest.raises(LCPError, match="engine must be"):
+        index.engine = "cuda"
