@@ -68,27 +68,40 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def _arrays(index: LCPIndex) -> tuple[torch.Tensor, ...]:
+    """The tree's offset levels 1-4, its id table and level starts, and the lengths, as the kernel takes them
+    (a one-element stand-in for what this index lacks); made once per index, so that a batch copies
+    nothing from the host."""
+    if index._gpu_arrays is not None:
+        return index._gpu_arrays
+    tree, dev = index.tree, index.device
+    dummy = torch.zeros(1, dtype=torch.int16, device=dev)
+    levels = [tree.levels[j] if j < len(tree.levels) else None for j in range(1, 5)]
+    lev = [t if t is not None and t.numel() else dummy for t in levels]
+    id_rows = tree.id_rows if tree.id_rows.numel() else torch.zeros((1, CAP), dtype=index.ids.dtype, device=dev)
+    id_starts = torch.tensor(tree.id_row_starts or [0], dtype=torch.int64, device=dev)
+    lens = index.lengths if index.lengths is not None else dummy
+    held = (*lev, id_rows, id_starts, lens)
+    index._gpu_arrays = held
+    return held
+
+
 def topk(index: LCPIndex, qw: torch.Tensor, qlen: torch.Tensor, k: int) -> LCPTopK:
     """LCPTopK [B, k] of packed queries (words [B, W] and cut lengths [B], lcp/tokens.prepare_queries) in one
     kernel launch; k <= CAP."""
-    tree, dev = index.tree, index.device
+    dev = index.device
     b, n = qw.shape[0], index.n
     lcps = torch.empty((b, k), dtype=torch.int64, device=dev)
     ids = torch.empty((b, k), dtype=torch.int64, device=dev)
     if b == 0:
         return LCPTopK(lcps, ids)
-    levels = [tree.levels[j] if j < len(tree.levels) else None for j in range(1, 5)]
-    dummy = torch.zeros(1, dtype=torch.int16, device=dev)
-    lev = [t if t is not None and t.numel() else dummy for t in levels]
-    id_rows = tree.id_rows if tree.id_rows.numel() else torch.zeros((1, CAP), dtype=index.ids.dtype, device=dev)
-    id_starts = torch.tensor(tree.id_row_starts or [0], dtype=torch.int64, device=dev)
-    lens = index.lengths if index.lengths is not None else dummy
+    lev1, lev2, lev3, lev4, id_rows, id_starts, lens = _arrays(index)
     scratch = torch.empty((b, NODE), dtype=torch.int64, device=dev)
     kk = min(k, n)
     kb = max(16, 1 << (kk - 1).bit_length())
     fmt = index.fmt
     _kernel(os.environ.get("TRITON_INTERPRET") == "1")[(b,)](
-        index.cols, lens, index.ids, *lev, id_rows, id_starts,
+        index.cols, lens, index.ids, lev1, lev2, lev3, lev4, id_rows, id_starts,
         qw.contiguous(), qlen.contiguous(), scratch, lcps, ids,
         n, fmt.words, fmt.length, k, kk,
         T=fmt.per_word, bits=fmt.bits, HAS_LENS=index.lengths is not None, KB=kb,

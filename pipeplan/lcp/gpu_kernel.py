@@ -50,14 +50,10 @@ def bound(cols, lens, qw, n, d, upper, W, T: tl.constexpr, bits: tl.constexpr, H
 
 @triton.jit
 def piece(ids, lev1, lev2, lev3, lev4, id_rows, id_starts, n, level, node):
-    """Ids [NODE] of one whole tree piece, ascending for level >= 1 (BIG pads), its block's ids for 0."""
+    """Ids [NODE] of one whole tree node of level >= 1, ascending, BIG past its stored entries."""
     t = tl.arange(0, NODE)
     big = tl.full((NODE,), BIG, tl.int64)
-    if level == 0:
-        pos = node * BLOCK + t
-        ok = (t < BLOCK) & (pos < n)
-        out = tl.where(ok, tl.load(ids + pos, mask=ok, other=0).to(tl.int64), big)
-    elif level <= 4:
+    if level <= 4:
         width = BLOCK << level
         ok = t < width
         if level == 1:
@@ -80,11 +76,11 @@ def piece(ids, lev1, lev2, lev3, lev4, id_rows, id_starts, n, level, node):
 
 @triton.jit
 def partial(ids, a, b):
-    """Ids [NODE] at positions [a, b) (b - a < BLOCK), BIG elsewhere."""
-    t = tl.arange(0, NODE)
+    """Ids [BLOCK] at positions [a, b) (b - a <= BLOCK), BIG elsewhere."""
+    t = tl.arange(0, BLOCK)
     pos = a + t
-    ok = (t < BLOCK) & (pos < b)
-    big = tl.full((NODE,), BIG, tl.int64)
+    ok = pos < b
+    big = tl.full((BLOCK,), BIG, tl.int64)
     return tl.where(ok, tl.load(ids + pos, mask=ok, other=0).to(tl.int64), big)
 
 
@@ -97,21 +93,27 @@ def count_below(ids, lev1, lev2, lev3, lev4, id_rows, id_starts, n, a, b, t_val)
         bl = (a + BLOCK - 1) // BLOCK
         br = b // BLOCK
         if br <= bl:  # inside one or two blocks, no whole block
-            total += tl.sum((partial(ids, a, tl.minimum(b, a + BLOCK - 1)) < t_val).to(tl.int64))
-            total += tl.sum((partial(ids, tl.minimum(b, a + BLOCK - 1), b) < t_val).to(tl.int64))
+            total += tl.sum((partial(ids, a, tl.minimum(b, a + BLOCK)) < t_val).to(tl.int64))
+            total += tl.sum((partial(ids, tl.minimum(b, a + BLOCK), b) < t_val).to(tl.int64))
         else:
             total += tl.sum((partial(ids, a, bl * BLOCK) < t_val).to(tl.int64))
             total += tl.sum((partial(ids, br * BLOCK, b) < t_val).to(tl.int64))
             lv = tl.zeros((), tl.int64)
             while bl < br:
                 if bl % 2 == 1:
-                    v = piece(ids, lev1, lev2, lev3, lev4, id_rows, id_starts, n, lv, bl)
-                    total += tl.sum((v < t_val).to(tl.int64))
+                    if lv == 0:
+                        total += tl.sum((partial(ids, bl * BLOCK, bl * BLOCK + BLOCK) < t_val).to(tl.int64))
+                    else:
+                        v = piece(ids, lev1, lev2, lev3, lev4, id_rows, id_starts, n, lv, bl)
+                        total += tl.sum((v < t_val).to(tl.int64))
                     bl += 1
                 if br % 2 == 1:
                     br -= 1
-                    v = piece(ids, lev1, lev2, lev3, lev4, id_rows, id_starts, n, lv, br)
-                    total += tl.sum((v < t_val).to(tl.int64))
+                    if lv == 0:
+                        total += tl.sum((partial(ids, br * BLOCK, br * BLOCK + BLOCK) < t_val).to(tl.int64))
+                    else:
+                        v = piece(ids, lev1, lev2, lev3, lev4, id_rows, id_starts, n, lv, br)
+                        total += tl.sum((v < t_val).to(tl.int64))
                 bl = bl // 2
                 br = br // 2
                 lv += 1
@@ -134,21 +136,27 @@ def emit_range(ids, lev1, lev2, lev3, lev4, id_rows, id_starts, n, a, b, t_val, 
         bl = (a + BLOCK - 1) // BLOCK
         br = b // BLOCK
         if br <= bl:
-            at = emit(partial(ids, a, tl.minimum(b, a + BLOCK - 1)), t_val, scratch, at)
-            at = emit(partial(ids, tl.minimum(b, a + BLOCK - 1), b), t_val, scratch, at)
+            at = emit(partial(ids, a, tl.minimum(b, a + BLOCK)), t_val, scratch, at)
+            at = emit(partial(ids, tl.minimum(b, a + BLOCK), b), t_val, scratch, at)
         else:
             at = emit(partial(ids, a, bl * BLOCK), t_val, scratch, at)
             at = emit(partial(ids, br * BLOCK, b), t_val, scratch, at)
             lv = tl.zeros((), tl.int64)
             while bl < br:
                 if bl % 2 == 1:
-                    v = piece(ids, lev1, lev2, lev3, lev4, id_rows, id_starts, n, lv, bl)
-                    at = emit(v, t_val, scratch, at)
+                    if lv == 0:
+                        at = emit(partial(ids, bl * BLOCK, bl * BLOCK + BLOCK), t_val, scratch, at)
+                    else:
+                        v = piece(ids, lev1, lev2, lev3, lev4, id_rows, id_starts, n, lv, bl)
+                        at = emit(v, t_val, scratch, at)
                     bl += 1
                 if br % 2 == 1:
                     br -= 1
-                    v = piece(ids, lev1, lev2, lev3, lev4, id_rows, id_starts, n, lv, br)
-                    at = emit(v, t_val, scratch, at)
+                    if lv == 0:
+                        at = emit(partial(ids, br * BLOCK, br * BLOCK + BLOCK), t_val, scratch, at)
+                    else:
+                        v = piece(ids, lev1, lev2, lev3, lev4, id_rows, id_starts, n, lv, br)
+                        at = emit(v, t_val, scratch, at)
                 bl = bl // 2
                 br = br // 2
                 lv += 1
@@ -186,28 +194,38 @@ def topk_kernel(
     above = hi1 - lo1  # < kk rows, all ranked before the ties
     # 2. rows above d*: LCP from the words' XOR, ranked by one score
     t = tl.arange(0, KB)
-    pos = lo1 + t
-    ok = t < above
-    lcp = tl.zeros((KB,), tl.int64)
-    alive = ok
-    for w in range(0, W):
-        x = (tl.load(cols + w * n + pos, mask=ok, other=0) ^ tl.load(qw + w)).to(tl.uint64, bitcast=True)
-        for j in tl.static_range(T):
-            same = alive & ((x >> (64 - bits * (j + 1))) == 0)
-            lcp += same.to(tl.int64)
-            alive = same
-    lcp = tl.minimum(lcp, dmax)
-    if HAS_LENS:
-        lcp = tl.minimum(lcp, tl.load(lens + pos, mask=ok, other=0).to(tl.int64))
-    row_id = tl.load(ids + pos, mask=ok, other=0).to(tl.int64)
-    score = tl.where(ok, lcp * (n + 1) + (n - 1 - row_id), -1)
-    score = tl.sort(score, 0, descending=True)
     base = q * k
-    tl.store(out_lcps + base + t, tl.where(score >= 0, score // (n + 1), -1), mask=t < above)
-    tl.store(out_ids + base + t, tl.where(score >= 0, n - 1 - score % (n + 1), -1), mask=t < above)
+    if above > 0:  # (tl.sort is the costly step; skipped where no row is above d*)
+        pos = lo1 + t
+        ok = t < above
+        lcp = tl.zeros((KB,), tl.int64)
+        alive = ok
+        for w in range(0, W):
+            x = (tl.load(cols + w * n + pos, mask=ok, other=0) ^ tl.load(qw + w)).to(tl.uint64, bitcast=True)
+            for j in tl.static_range(T):
+                same = alive & ((x >> (64 - bits * (j + 1))) == 0)
+                lcp += same.to(tl.int64)
+                alive = same
+        lcp = tl.minimum(lcp, dmax)
+        if HAS_LENS:
+            lcp = tl.minimum(lcp, tl.load(lens + pos, mask=ok, other=0).to(tl.int64))
+        row_id = tl.load(ids + pos, mask=ok, other=0).to(tl.int64)
+        score = tl.where(ok, lcp * (n + 1) + (n - 1 - row_id), -1)
+        score = tl.sort(score, 0, descending=True)
+        tl.store(out_lcps + base + t, tl.where(score >= 0, score // (n + 1), -1), mask=t < above)
+        tl.store(out_ids + base + t, tl.where(score >= 0, n - 1 - score % (n + 1), -1), mask=t < above)
     # 3. ties: the `need` smallest ids of [lo0, lo1) ∪ [hi1, hi0), ascending, after the rows above
     need = kk - above
-    if need > 0:
+    left = lo1 - lo0
+    width = left + hi0 - hi1
+    u = tl.arange(0, KB)  # need <= kk <= KB: every sort is KB wide
+    if (need > 0) & (width <= KB):  # narrow: every tied id read and sorted at once
+        at_pos = tl.where(u < left, lo0 + u, hi1 + u - left)
+        ok_u = u < width
+        tie = tl.sort(tl.where(ok_u, tl.load(ids + at_pos, mask=ok_u, other=0).to(tl.int64), BIG), 0)
+        tl.store(out_ids + base + above + u, tie, mask=u < need)
+        tl.store(out_lcps + base + above + u, tl.zeros((KB,), tl.int64) + d, mask=u < need)
+    if (need > 0) & (width > KB):
         lo_t = tl.zeros((), tl.int64)
         hi_t = (n - 1) + tl.zeros((), tl.int64)
         while lo_t < hi_t:  # the need-th smallest id: the least t with count(ids <= t) >= need
@@ -217,15 +235,14 @@ def topk_kernel(
             lo_t = tl.where(got >= need, lo_t, mid + 1)
             hi_t = tl.where(got >= need, mid, hi_t)
         row = scratch + q * NODE
-        at = emit_range(ids, lev1, lev2, lev3, lev4, id_rows, id_starts, n, lo0, lo1, lo_t + 1, row, 0)
+        at = emit_range(ids, lev1, lev2, lev3, lev4, id_rows, id_starts, n, lo0, lo1, lo_t + 1, row, lo_t * 0)
         at = emit_range(ids, lev1, lev2, lev3, lev4, id_rows, id_starts, n, hi1, hi0, lo_t + 1, row, at)
         tl.debug_barrier()
-        u = tl.arange(0, NODE)
         tie = tl.load(row + u, mask=u < need, other=BIG)
         tie = tl.sort(tie, 0)
         slot = above + u
         tl.store(out_ids + base + slot, tie, mask=(u < need))
-        tl.store(out_lcps + base + slot, tl.zeros((NODE,), tl.int64) + d, mask=(u < need))
+        tl.store(out_lcps + base + slot, tl.zeros((KB,), tl.int64) + d, mask=(u < need))
     # slots kk .. k - 1 (k > n): -1
     if kk < k:
         for s in range(0, k - kk, KB):

@@ -145,6 +145,7 @@ class LCPIndex:
         self.tree = SmallestIds(ids)
         self._engine: engine.CPUEngine | None = None
         self._triton = False  # the Triton kernel (lcp/gpu.py) answers k <= 1024
+        self._gpu_arrays: tuple[torch.Tensor, ...] | None = None  # its arguments, made on first use
         if self.device.type == "cpu" and engine.kernel() is not None:
             self.engine = "numba"
         else:
