@@ -151,3 +151,20 @@ def test_kernel_compiles_for_sm90_without_a_gpu(kb, has_lens):
             pytest.skip(f"no ptxas: {str(exc)[:80]}")
         raise
     assert "cubin" in compiled.asm and len(compiled.asm["cubin"]) > 1000
+
+
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs CUDA (compiled kernel)")
+@pytest.mark.parametrize("variable", [False, True])
+def test_cuda_kernel_matches_the_cpu_index(variable):
+    """On a GPU the compiled kernel answers as the CPU index does: random bytes and a two-letter alphabet
+    (tie ranges through the tree), k from 1 to 1024 and past N, one launch per batch."""
+    g = torch.Generator().manual_seed(17)
+    for n, alphabet in ((20_000, 256), (20_000, 2), (300, 3)):
+        rows, lengths, queries, qls = random_case(g, n, 24, alphabet, variable=variable, batch=257)
+        cpu = LCPIndex.build(rows, lengths if variable else None)
+        gpu_index = cpu.to("cuda")
+        assert gpu_index.engine == "triton"
+        for k in (1, 10, 100, 1024):
+            want = cpu.topk(queries, k, qls)
+            got = gpu_index.topk(queries.cuda(), k, qls.cuda())
+            assert torch.equal(got.ids.cpu(), want.ids) and torch.equal(got.lcps.cpu(), want.lcps), (n, alphabet, k)
