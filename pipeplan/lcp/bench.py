@@ -40,7 +40,7 @@ import torch
 from pipeplan.lcp import touched
 from pipeplan.lcp.bandwidth import measure_bandwidth
 from pipeplan.lcp.baselines import FullScan, Pairwise, memory_budget_bytes, pairwise_bytes
-from pipeplan.lcp.bytes_baselines import MarisaTrie, NumpySorted
+from pipeplan.lcp.bytes_baselines import MarisaTrie, NumpyLoop, NumpySorted
 from pipeplan.lcp.energy import EnergyMeter, open_meter
 from pipeplan.lcp.errors import LCPError
 from pipeplan.lcp.index import LCPIndex
@@ -52,7 +52,7 @@ COLUMNS = [
     "method", "n", "length", "k", "batch", "build_s", "p50_ms", "p95_ms",
     "queries_per_s", "index_bytes", "joules_per_query", "bytes_per_query", "bandwidth_share",
 ]  # fmt: skip
-METHOD_NAMES = ("index", "numpy", "marisa", "scan", "trie", "pairwise")
+METHOD_NAMES = ("index", "numpy", "numpy-loop", "marisa", "scan", "trie", "pairwise")
 PRESETS: dict[str, dict[str, Any]] = {
     # arXiv 2602.04936's setting: 20M sequences of 256 16-bit tokens, top-1, p95 latency and energy
     "paper": {"ns": (20_000_000,), "length": 256, "dtype": "uint16", "k": 1, "methods": ("index", "scan"),
@@ -232,6 +232,8 @@ def _build(name: str, data: torch.Tensor, device: torch.device, k: int, budget: 
         return LCPIndex.build(data, device=device)
     if name == "numpy":
         return NumpySorted.build(data.cpu())
+    if name == "numpy-loop":
+        return NumpyLoop.build(data.cpu())
     if name == "marisa":
         return MarisaTrie.build(data.cpu())
     if name == "scan":
