@@ -104,6 +104,9 @@ def test_bench_writes_csv_plots_and_refuses_pairwise(tmp_path, capsys):
         (["lcp", "bench", "--length", "1e9", "--out", "{tmp}/b"], "--length 1000000000 is more than"),
         (["lcp", "bench", "--batch", "1e11", "--out", "{tmp}/b"], "--batch 100000000000"),
         (["lcp", "bench", "--device", "meta", "--n", "100", "--out", "{tmp}/b"], "'meta' is not supported"),
+        (["lcp", "bench", "--data", "{tmp}/missing.txt", "--out", "{tmp}/b"], "data must be uniform, zipf, text or"),
+        (["lcp", "bench", "--data", "text", "--dtype", "int16", "--out", "{tmp}/b"], "dtype must be uint8"),
+        (["lcp", "bench", "--data", "{tmp}/empty.txt", "--n", "10", "--out", "{tmp}/b"], "has 0 bytes, fewer than"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_loses_nothing(tmp_path, rows_npy, capsys, argv, message):
@@ -229,3 +232,25 @@ def test_each_subcommand_help_ends_with_its_examples(capsys, sub):
         main(["lcp", sub, "--help"])
     examples = capsys.readouterr().out.split("examples:\n")[1].splitlines()
     assert examples and all(ln.startswith((f"  pipeplan lcp {sub} ", "      --")) for ln in examples)
+
+
+@pytest.mark.parametrize("data", ["zipf", "text", "file"])
+def test_bench_data_kinds_are_checked_against_the_scan(tmp_path, data):
+    """--data zipf|text|FILE: the sweep runs, the index's answers pass the bench's check against the full scan,
+    and the rows are what was asked (Zipf: the most frequent token far above 1/256; text: the file's bytes)."""
+    from pipeplan.lcp.bench import make_data
+
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(b"the cat sat on the mat; the dog sat on the log. " * 40)
+    name = str(path) if data == "file" else data
+    argv = ["lcp", "bench", "--n", "400", "--length", "8", "--batch", "16", "--scan-batch", "4", "--methods",
+            "index,numpy,scan", "--repeats", "2", "--data", name, "--out", str(tmp_path / "b")]  # fmt: skip
+    assert main(argv) == 0
+    assert set(pd.read_csv(tmp_path / "b" / "bench.csv")["method"]) >= {"index", "numpy", "scan"}
+    rows, _ = make_data(4000, 8, 16, 0, data=name)
+    counts = torch.bincount(rows.flatten().long(), minlength=256)
+    if data == "zipf":
+        assert counts.max() > 0.1 * rows.numel()  # rank 1 of 256 under 1/r: ~16% of tokens
+    elif data == "file":
+        assert set(torch.nonzero(counts).flatten().tolist()) <= set(path.read_bytes())
+        assert bytes(rows[0].tolist()) in path.read_bytes()

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeplan.lcp import LCPTopK
-from pipeplan.lcp.bytes_baselines import MarisaTrie, NumpySorted
+from pipeplan.lcp.bytes_baselines import MarisaTrie, NumpyLoop, NumpySorted
 from pipeplan.lcp.smallest import BLOCK, SmallestIds, smallest_by_sort, smallest_direct
 from tests.test_lcp_index import DTYPES, ENGINES, build, torch_brute_force
 
@@ -68,7 +68,7 @@ def test_index_equals_brute_force(engine, case, direct_cap):
 def test_byte_string_baselines_equal_brute_force(case):
     rows, _, queries, _, k = case
     want_ids, want_lcps = _expected(rows, None, queries, None, k)
-    for method in (NumpySorted, MarisaTrie):
+    for method in (NumpySorted, NumpyLoop, MarisaTrie):
         got = method.build(rows).topk(queries, k)
         assert torch.equal(got.ids, want_ids) and torch.equal(got.lcps, want_lcps), method.__name__
 

@@ -30,6 +30,7 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ import torch
 from pipeplan.lcp import touched
 from pipeplan.lcp.bandwidth import measure_bandwidth
 from pipeplan.lcp.baselines import FullScan, Pairwise, memory_budget_bytes, pairwise_bytes
-from pipeplan.lcp.bytes_baselines import MarisaTrie, NumpySorted
+from pipeplan.lcp.bytes_baselines import MarisaTrie, NumpyLoop, NumpySorted
 from pipeplan.lcp.energy import EnergyMeter, open_meter
 from pipeplan.lcp.errors import LCPError
 from pipeplan.lcp.index import LCPIndex
@@ -51,7 +52,7 @@ COLUMNS = [
     "method", "n", "length", "k", "batch", "build_s", "p50_ms", "p95_ms",
     "queries_per_s", "index_bytes", "joules_per_query", "bytes_per_query", "bandwidth_share",
 ]  # fmt: skip
-METHOD_NAMES = ("index", "numpy", "marisa", "scan", "trie", "pairwise")
+METHOD_NAMES = ("index", "numpy", "numpy-loop", "marisa", "scan", "trie", "pairwise")
 PRESETS: dict[str, dict[str, Any]] = {
     # arXiv 2602.04936's setting: 20M sequences of 256 16-bit tokens, top-1, p95 latency and energy
     "paper": {"ns": (20_000_000,), "length": 256, "dtype": "uint16", "k": 1, "methods": ("index", "scan"),
@@ -67,6 +68,7 @@ class BenchConfig:
     length: int = 32
     dtype: str = "uint8"  # token dtype of the generated rows
     rows: str = "random"  # "identical": every row equal (one tie set of N rows: the worst case)
+    data: str = "uniform"  # tokens of random rows: "uniform", "zipf", "text" (docs/*.md) or a file's path
     k: int = 10
     batch: int = 512  # queries per timed call for the index, the trie and pairwise
     scan_batch: int = 8  # queries per timed call for the full scan and pairwise (O(N) each)
@@ -90,6 +92,10 @@ class BenchConfig:
             raise LCPError(f"ns must be positive row counts, got {self.ns}")
         if self.rows not in ("random", "identical"):
             raise LCPError(f"rows must be 'random' or 'identical', got {self.rows!r}")
+        if self.data not in DATA_KINDS and not Path(self.data).is_file():
+            raise LCPError(f"data must be {', '.join(DATA_KINDS)} or a readable file, got {self.data[:80]!r}")
+        if self.data not in ("uniform", "zipf") and self.dtype != "uint8":
+            raise LCPError(f"data {self.data[:80]!r} is read bytewise: dtype must be uint8, got {self.dtype}")
         if self.dtype not in DTYPE_NAMES:
             raise LCPError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
         for name in ("length", "k", "batch", "scan_batch", "repeats", "scan_repeats", "marisa_batch"):
@@ -110,21 +116,58 @@ class BenchConfig:
         return need
 
 
-def make_data(
-    n: int, length: int, batch: int, seed: int, dtype: str = "uint8", identical: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows [n, length], queries [batch, length]) of random tokens, queries sharing random prefixes.
+DATA_KINDS = ("uniform", "zipf", "text")
+ZIPF_SYMBOLS = 256  # zipf: tokens 0..255 (any dtype), ranked by a seeded permutation
+ZIPF_EXPONENT = 1.0  # p(rank r) ∝ 1 / r: Zipf's law for word frequencies in natural text (Zipf 1949)
 
+
+def text_bytes(data: str) -> np.ndarray:
+    """The bytes `data` names: "text" is this project's docs (docs/*.md and README.md: real English and
+    code, ~0.5 MB), anything else a file's path."""
+    if data != "text":
+        return np.fromfile(data, dtype=np.uint8)
+    root = Path(__file__).resolve().parents[2]
+    files = [*sorted((root / "docs").glob("*.md")), root / "README.md"]
+    return np.frombuffer(b"\n".join(f.read_bytes() for f in files if f.is_file()), dtype=np.uint8)
+
+
+def make_data(
+    n: int, length: int, batch: int, seed: int, dtype: str = "uint8", identical: bool = False,
+    data: str = "uniform",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [n, length], queries [batch, length]), queries sharing random prefixes with random rows.
+
+    data: "uniform" tokens over the whole dtype; "zipf" tokens of 256 symbols with Zipf-distributed
+    frequencies (skewed: long shared prefixes, large tie ranges); "text" or a path: windows of L bytes
+    at seeded random offsets of a real text (repeats included), queries windows at other offsets.
     identical: every row is row 0, so every query ties with all N rows at its LCP (the worst case).
     """
     fmt = token_format(DTYPE_NAMES[dtype], length)
     g = torch.Generator().manual_seed(seed)
 
+    weights = 1.0 / torch.arange(1, ZIPF_SYMBOLS + 1, dtype=torch.float64) ** ZIPF_EXPONENT
+    cdf = (weights.cumsum(0) / weights.sum()).contiguous()  # P(rank <= r)
+    symbol = torch.randperm(ZIPF_SYMBOLS, generator=g) if data == "zipf" else None  # which token has which rank
+
     def tokens(shape: tuple[int, int]) -> torch.Tensor:
-        """Uniform tokens over the whole dtype: random bytes, reinterpreted (no int64 temporary)."""
+        """Uniform tokens over the whole dtype (random bytes, reinterpreted: no int64 temporary), or Zipf's."""
+        if symbol is not None:  # inverse CDF of uniform floats, 2^20 rows at a time (no int64 [n, L])
+            out = torch.empty(shape, dtype=fmt.dtype)
+            for s in range(0, shape[0], 1 << 20):
+                m = min(shape[0], s + (1 << 20)) - s
+                ranks = torch.searchsorted(cdf, torch.rand((m, shape[1]), dtype=torch.float64, generator=g))
+                out[s : s + m] = symbol[ranks.clamp(max=ZIPF_SYMBOLS - 1)].to(fmt.dtype)
+            return out
         raw = torch.randint(0, 256, (shape[0], shape[1] * (fmt.bits // 8)), dtype=torch.uint8, generator=g)
         return raw.to(fmt.dtype) if fmt.bits == 8 else raw.view(fmt.dtype)
 
+    if data not in ("uniform", "zipf"):
+        text = text_bytes(data)
+        if len(text) < length:
+            raise LCPError(f"data {data[:80]!r} has {len(text)} bytes, fewer than --length {length}")
+        at = torch.randint(0, len(text) - length + 1, (n + batch,), generator=g).numpy()
+        windows = np.lib.stride_tricks.sliding_window_view(text, length)  # a view: no copy of the text
+        return torch.from_numpy(windows[at[:n]]), torch.from_numpy(windows[at[n:]])
     rows = tokens((n, length))
     if identical:
         rows = rows[:1].expand(n, length).contiguous()
@@ -189,6 +232,8 @@ def _build(name: str, data: torch.Tensor, device: torch.device, k: int, budget: 
         return LCPIndex.build(data, device=device)
     if name == "numpy":
         return NumpySorted.build(data.cpu())
+    if name == "numpy-loop":
+        return NumpyLoop.build(data.cpu())
     if name == "marisa":
         return MarisaTrie.build(data.cpu())
     if name == "scan":
@@ -219,7 +264,9 @@ def run_bench(cfg: BenchConfig, progress: Callable[[int, int, str], None] | None
     rows: list[dict[str, Any]] = []
     total, done = len(cfg.ns) * len(cfg.methods), 0
     for n in sorted(cfg.ns):
-        data, queries = make_data(n, cfg.length, cfg.batch, cfg.seed, cfg.dtype, cfg.rows == "identical")
+        data, queries = make_data(
+            n, cfg.length, cfg.batch, cfg.seed, cfg.dtype, cfg.rows == "identical", cfg.data
+        )
         data, queries = data.to(device), queries.to(device)
         small = queries[: cfg.scan_batch]
         reference, index_sizes = None, None

@@ -123,6 +123,57 @@ class NumpySorted:
         return LCPTopK(result.lcps[0], result.ids[0]) if single else result
 
 
+class NumpyLoop(NumpySorted):
+    """The stronger numpy baseline (issue #45): the same sorted byte strings, one query at a time. From the
+    deeper neighbour's LCP downwards, two `searchsorted` calls per depth d find S_d (the rows sharing the
+    query's first d tokens) until it holds k rows; S_{d+1} (< k rows) is ranked exactly and the rest of
+    S_d gives its smallest ids by one `np.partition`. No [B, 2k] window and no batch-wide temporaries: at
+    k >= 100 this loop beats NumpySorted's vectorised window (measured in the issue: 30 against 182 µs a
+    query at N = 1M, k = 100)."""
+
+    def _range(self, q: np.ndarray, d: int) -> tuple[int, int]:
+        """S_d = [lo, hi): the rows whose first d tokens are q's (bytes past them padded 0x00 / 0xff)."""
+        cut = d * self.token_bytes
+        lo_key = np.concatenate([q[:cut], np.zeros(len(q) - cut, np.uint8)]).view(f"S{len(q)}")
+        hi_key = np.concatenate([q[:cut], np.full(len(q) - cut, 255, np.uint8)]).view(f"S{len(q)}")
+        return int(np.searchsorted(self.keys, lo_key[0], "left")), int(np.searchsorted(self.keys, hi_key[0], "right"))
+
+    def _lcps(self, rows: np.ndarray, q: np.ndarray) -> np.ndarray:
+        eq = rows == q[None, :]
+        return np.where(eq.all(1), len(q), eq.argmin(1)) // self.token_bytes
+
+    def topk(self, queries: torch.Tensor, k: int, query_lengths: torch.Tensor | None = None) -> LCPTopK:
+        k = check_k(k)
+        queries, query_lengths, single = as_batch(queries, query_lengths)
+        if query_lengths is not None:
+            raise LCPError("the numpy baseline takes full-length queries only (query_lengths=None)")
+        qs = self._queries(queries)
+        kk = min(k, self.n)
+        out_ids = np.full((len(qs), k), -1, dtype=np.int64)
+        out_lcps = np.full((len(qs), k), -1, dtype=np.int64)
+        for i, q in enumerate(qs):
+            p = int(np.searchsorted(self.keys, q.view(f"S{len(q)}")[0]))
+            near = self.rows[max(p - 1, 0) : p + 1]
+            d = int(self._lcps(near, q).max()) + 1  # S_d for d above the neighbours' LCPs is empty
+            inner = (p, p)  # S_{d+1} so far
+            lo, hi = self._range(q, d) if d <= self.length else (p, p)
+            while hi - lo < kk:  # S_0 holds all n >= kk rows: this ends
+                inner, d = (lo, hi), d - 1
+                lo, hi = self._range(q, d)
+            a, z = inner
+            above = self._lcps(self.rows[a:z], q)
+            order = np.lexsort((self.ids[a:z], -above))  # lcp descending, then id
+            m = z - a
+            out_ids[i, :m], out_lcps[i, :m] = self.ids[a:z][order], above[order]
+            rest = np.concatenate([self.ids[lo:a], self.ids[z:hi]])
+            take = kk - m
+            if take:
+                rest = np.partition(rest, take - 1)[:take] if len(rest) > take else rest
+                out_ids[i, m:kk], out_lcps[i, m:kk] = np.sort(rest), d
+        result = LCPTopK(torch.from_numpy(out_lcps), torch.from_numpy(out_ids))
+        return LCPTopK(result.lcps[0], result.ids[0]) if single else result
+
+
 class MarisaTrie:
     """marisa-trie's BinaryTrie over the distinct rows; one Python walk per query (exact)."""
 

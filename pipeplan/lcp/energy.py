@@ -1,9 +1,10 @@
 """Energy counters for the benchmark: NVML on CUDA, RAPL on CPU; None where neither can be read.
 
 Both are cumulative hardware counters read before and after a timed region; nothing is estimated.
-NVML: nvmlDeviceGetTotalEnergyConsumption (millijoules since driver load, Volta and newer), through
-pynvml when importable, else ctypes. RAPL: /sys/class/powercap/intel-rapl:N/energy_uj (package domains,
-microjoules, wrapping at max_energy_range_uj); usually readable only by root.
+NVML: nvmlDeviceGetTotalEnergyConsumption (millijoules since driver load, Volta and newer) of the card
+found by its UUID or PCI bus id (never torch's index), through pynvml when importable, else ctypes.
+RAPL: /sys/class/powercap/intel-rapl:N/energy_uj (package domains, microjoules, wrapping at
+max_energy_range_uj); usually readable only by root.
 """
 
 from __future__ import annotations
@@ -27,14 +28,37 @@ class EnergyMeter:
         return self._read()
 
 
-def _nvml_meter(index: int) -> EnergyMeter | None:
+def gpu_identity(device: torch.device) -> tuple[str | None, str | None]:
+    """(UUID as NVML spells it, "GPU-..."; PCI bus id "DDDDDDDD:BB:DD.0") of a CUDA device, as torch sees it.
+
+    torch's index counts only the cards CUDA_VISIBLE_DEVICES shows, in its order, while NVML's index counts
+    every card on the machine: the two differ under CUDA_VISIBLE_DEVICES (or CUDA_DEVICE_ORDER unset), so
+    the meter finds its card by these instead."""
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    uuid = None if uuid is None else str(uuid) if str(uuid).startswith("GPU-") else f"GPU-{uuid}"
+    parts = [getattr(props, f"pci_{f}_id", None) for f in ("domain", "bus", "device")]
+    bus = None if None in parts else f"{parts[0]:08X}:{parts[1]:02X}:{parts[2]:02X}.0"
+    return uuid, bus
+
+
+def _nvml_meter(uuid: str | None, bus: str | None) -> EnergyMeter | None:
+    """NVML's energy counter of the card with this UUID, else this PCI bus id; None when neither is found."""
     try:
         import pynvml  # type: ignore[import-not-found]
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
-        return EnergyMeter("nvml", lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3)
+        ways = ((uuid, pynvml.nvmlDeviceGetHandleByUUID), (bus, pynvml.nvmlDeviceGetHandleByPciBusId_v2))
+        for key, get in ways:
+            if key is None:
+                continue
+            try:
+                handle = get(key)
+            except pynvml.NVMLError:  # not found this way: try the other key
+                continue
+            pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+            return EnergyMeter("nvml", lambda h=handle: pynvml.nvmlDeviceGetTotalEnergyConsumption(h) / 1e3)
+        return None
     except Exception:  # pynvml absent, or this GPU lacks the counter: try ctypes next
         pass
     try:
@@ -42,7 +66,10 @@ def _nvml_meter(index: int) -> EnergyMeter | None:
         if lib.nvmlInit_v2() != 0:
             return None
         handle = ctypes.c_void_p()
-        if lib.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle)) != 0:
+        found = (uuid is not None and lib.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(handle)) == 0) or (
+            bus is not None and lib.nvmlDeviceGetHandleByPciBusId_v2(bus.encode(), ctypes.byref(handle)) == 0
+        )
+        if not found:
             return None
         mj = ctypes.c_ulonglong()
 
@@ -82,7 +109,7 @@ def _rapl_meter(root: str = "/sys/class/powercap") -> EnergyMeter | None:
 def open_meter(device: torch.device) -> EnergyMeter | None:
     """The energy meter for `device`, or None when no counter is readable here."""
     if device.type == "cuda":
-        return _nvml_meter(device.index if device.index is not None else torch.cuda.current_device())
+        return _nvml_meter(*gpu_identity(device))
     if device.type == "cpu":
         return _rapl_meter()
     return None

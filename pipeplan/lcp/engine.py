@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import mmap
+import weakref
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from pipeplan.lcp import results
-from pipeplan.lcp.limits import check_results
+from pipeplan.lcp.limits import check_results, trim_heap
 from pipeplan.lcp.ranking import LCPTopK
 from pipeplan.lcp.tokens import check_lengths
 
@@ -46,7 +47,15 @@ OFFSET_LEVELS = ((1, np.uint8, 128), (2, np.uint8, 256), (3, np.int16, 512), (4,
 
 @functools.cache
 def kernel() -> ModuleType | None:
-    """lcp.kernel, compiled on first use; None when numba is not importable."""
+    """lcp.kernel, compiled on first use; None when numba is not importable or its JIT is off
+    (NUMBA_DISABLE_JIT=1 runs the kernel as plain Python, which cannot run its intrinsics): the index then
+    answers through the torch engine."""
+    try:
+        import numba
+    except ImportError:
+        return None
+    if numba.config.DISABLE_JIT:
+        return None
     try:
         from pipeplan.lcp import kernel as module
     except ImportError:
@@ -166,23 +175,43 @@ def visiting_order(first_words: np.ndarray) -> np.ndarray:
 HUGE_PAGE = 1 << 21  # bytes of a transparent huge page on x86-64 (and of the alignment it needs)
 
 
+_MAPPED: set[int] = set()  # data pointers of the live arrays host_empty mapped (removed when freed)
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor in the memory the kernel reads with few TLB misses (see _to_numpy_memory),
+    so that a build can write its largest array there directly instead of copying it over later: the copy
+    would hold it twice at the build's peak."""
+    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    nbytes = int(np.prod(shape)) * np_dtype.itemsize
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype)
+    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = np.frombuffer(area, dtype=np.uint8)
+    skip = -raw.ctypes.data % HUGE_PAGE
+    area.madvise(mmap.MADV_HUGEPAGE, skip - skip % mmap.PAGESIZE, nbytes + skip % mmap.PAGESIZE)
+    out = raw[skip : skip + nbytes].view(np_dtype).reshape(shape)
+    _MAPPED.add(out.ctypes.data)
+    weakref.finalize(out, _MAPPED.discard, out.ctypes.data)
+    return torch.from_numpy(out)
+
+
 def _to_numpy_memory(t: torch.Tensor) -> torch.Tensor:
     """The same array in memory the kernel reads with few TLB misses: arrays of a huge page and more go
     into a fresh anonymous mapping aligned to 2 MiB and advised MADV_HUGEPAGE, so that the kernel's
     random reads miss the TLB far less (torch's CPU allocator does not advise it, and numpy's advice
     is lost when malloc hands back heap memory already backed by 4 KiB pages — measured: the ids,
     adjacent LCPs, tree and bucket table of a 5M-row index got none). Smaller arrays, or where mmap
-    or madvise are missing, are a numpy copy. The mapping lives as long as the array."""
+    or madvise are missing, are a numpy copy. The mapping lives as long as the array. An array that
+    host_empty made is kept as it is."""
+    if t.is_contiguous() and t.data_ptr() in _MAPPED:
+        return t
     src = t.numpy()
     if src.nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.from_numpy(np.array(src, copy=True))
-    area = mmap.mmap(-1, src.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = np.frombuffer(area, dtype=np.uint8)
-    skip = -raw.ctypes.data % HUGE_PAGE
-    area.madvise(mmap.MADV_HUGEPAGE, skip - skip % mmap.PAGESIZE, src.nbytes + skip % mmap.PAGESIZE)
-    out = raw[skip : skip + src.nbytes].view(src.dtype).reshape(src.shape)
-    out[...] = src
-    return torch.from_numpy(out)
+    out = host_empty(tuple(src.shape), t.dtype)
+    out.numpy()[...] = src
+    return out
 
 
 class CPUEngine:
@@ -194,6 +223,7 @@ class CPUEngine:
     def __init__(self, index: LCPIndex, module: ModuleType) -> None:
         self.kernel, self.fmt = module, index.fmt
         tree = index.tree
+        trim_heap()  # the build's freed temporaries, before the moves below map fresh memory
         index.cols, index.adj = _to_numpy_memory(index.cols), _to_numpy_memory(index.adj)
         if index.lengths is not None:
             index.lengths = _to_numpy_memory(index.lengths)

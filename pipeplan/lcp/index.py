@@ -35,9 +35,9 @@ from typing import NamedTuple
 
 import torch
 
-from pipeplan.lcp import engine, fileformat, ranking
+from pipeplan.lcp import engine, fileformat, gpu, ranking
 from pipeplan.lcp.errors import LCPError
-from pipeplan.lcp.limits import check_results
+from pipeplan.lcp.limits import check_device_fits, check_results, trim_heap
 from pipeplan.lcp.ranking import LCPTopK
 from pipeplan.lcp.smallest import CAP, SmallestIds, smallest_by_sort, smallest_direct
 from pipeplan.lcp.sort import lex_order
@@ -45,6 +45,7 @@ from pipeplan.lcp.tokens import (
     DTYPE_NAMES,
     TokenFormat,
     as_batch,
+    as_tensor,
     check_lengths,
     check_rows,
     lcp_words,
@@ -74,6 +75,23 @@ def check_k(k: object) -> int:
     return k
 
 
+def build_bytes(seqs: torch.Tensor, device: torch.device) -> int:
+    """Device bytes a build needs at its peak, about: the rows moved there (unless already there), their
+    packed words three times (packed, gathered in sorted order, column-major), the sort's keys and indices
+    and the id tree's construction (int64 ids and offsets per row, twice while merging)."""
+    n, length = seqs.shape
+    words = n * token_format(seqs.dtype, length).words * 8
+    moved = 0 if seqs.device == device else seqs.numel() * seqs.element_size()
+    return moved + 3 * words + 64 * n
+
+
+def batch_bytes(queries: torch.Tensor, k: int, n: int) -> int:
+    """Device bytes one topk batch needs on the torch engine, about: the queries and their packed words, the
+    two int64 [B, k] results and one chunk's temporaries (about 12 int64 tensors of _ELEMS pairs)."""
+    b, width = queries.shape
+    return b * width * (queries.element_size() + 8) + 16 * b * k + 12 * 8 * _ELEMS
+
+
 def _length_dtype(length: int) -> torch.dtype:
     return torch.uint8 if length < 256 else torch.int16 if length < 2**15 else torch.int32
 
@@ -82,7 +100,7 @@ def _adjacent_lcps(words: torch.Tensor, lengths: torch.Tensor | None, fmt: Token
     """LCP of each sorted row with the next, within both lengths: [max(N - 1, 1)] in the narrowest dtype."""
     n = words.shape[0]
     out = torch.zeros(max(n - 1, 1), dtype=_length_dtype(fmt.length), device=words.device)
-    step = 1 << 20
+    step = 1 << 16  # rows per chunk: its temporaries (several int64 [step, W]) stay a few MiB
     for s in range(0, n - 1, step):
         e = min(n - 1, s + step)
         lcp = torch.clamp(lcp_words(words[s:e], words[s + 1 : e + 1], fmt), max=fmt.length)
@@ -123,9 +141,15 @@ class LCPIndex:
         self.fmt, self.ids, self.lengths = fmt, ids, lengths
         self.cols = words.t().contiguous()  # (W, N): each word position contiguous, for searchsorted
         self.adj = _adjacent_lcps(words, lengths, fmt)  # (N - 1,)
+        trim_heap()  # what the build freed, before the tree's merge columns
         self.tree = SmallestIds(ids)
         self._engine: engine.CPUEngine | None = None
-        self.engine = "numba" if self.device.type == "cpu" and engine.kernel() is not None else "torch"
+        self._triton = False  # the Triton kernel (lcp/gpu.py) answers k <= 1024
+        self._gpu_arrays: tuple[torch.Tensor, ...] | None = None  # its arguments, made on first use
+        if self.device.type == "cpu" and engine.kernel() is not None:
+            self.engine = "numba"
+        else:
+            self.engine = "triton" if self.device.type == "cuda" and gpu.triton_module() is not None else "torch"
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
@@ -135,13 +159,16 @@ class LCPIndex:
         lengths: torch.Tensor | None = None,
         device: str | torch.device | None = None,
     ) -> LCPIndex:
-        """Index rows seqs [N, L] (any integer dtype); lengths [N] in [0, L] when rows vary in length."""
+        """Index rows seqs [N, L] (any integer dtype; a tensor, numpy array or nested list); lengths [N] in
+        [0, L] when rows vary in length."""
+        seqs, lengths = as_tensor(seqs, "seqs"), as_tensor(lengths, "lengths")
         check_rows(seqs, "seqs")
         n, length = seqs.shape
         if n == 0:
             raise LCPError("cannot build an index over zero sequences (seqs has shape [0, L])")
         lens = check_lengths(lengths, n, length, "lengths")
         dev = resolve_device(device, seqs.device)
+        check_device_fits(f"building an index of {n:,} rows × {length} tokens", build_bytes(seqs, dev), dev)
         x = seqs.to(dev)
         if lens is not None:
             lens = lens.to(dev)
@@ -149,12 +176,17 @@ class LCPIndex:
                 lens = None  # all full: the implicit length L saves N bytes
         fmt = token_format(x.dtype, length)
         words = pack_rows(x, lens, fmt)  # (N, W)
-        order = lex_order(words, lens)  # (N,)
-        words = words.index_select(0, order)
-        ids = order.to(torch.int32 if n < 2**31 else torch.int64)
+        ids = lex_order(words, lens).to(torch.int32 if n < 2**31 else torch.int64)  # (N,) the sorted order
+        trim_heap()  # the sort's freed keys, before the rows are gathered into fresh memory
+        numba = dev.type == "cpu" and engine.kernel() is not None  # where the compiled kernel will read it
+        shape = (fmt.words, n)
+        cols = engine.host_empty(shape, torch.int64) if numba else torch.empty(shape, dtype=torch.int64, device=dev)
+        for w in range(fmt.words):  # gathered column by column: the sorted rows are never held twice
+            torch.index_select(words[:, w], 0, ids, out=cols[w])
+        del words
         if lens is not None:
-            lens = lens.index_select(0, order).to(_length_dtype(length))
-        return cls(fmt, words, ids, lens)
+            lens = lens.index_select(0, ids).to(_length_dtype(length))
+        return cls(fmt, cols.t(), ids, lens)
 
     @property
     def n(self) -> int:
@@ -194,21 +226,30 @@ class LCPIndex:
 
     @property
     def engine(self) -> str:
-        """What answers `topk`: "numba" (the compiled CPU kernel, lcp/kernel.py) or "torch" (tensor ops;
-        CUDA, or a CPU without numba). Both give the same answers; set it to compare them."""
-        return "numba" if self._engine is not None else "torch"
+        """What answers `topk`: "numba" (the compiled CPU kernel, lcp/kernel.py), "triton" (one GPU kernel per
+        batch, lcp/gpu.py, for k <= 1024; the torch ops beyond) or "torch" (tensor ops; CUDA, or a CPU
+        without numba). All give the same answers; set it to compare them."""
+        return "numba" if self._engine is not None else "triton" if self._triton else "torch"
 
     @engine.setter
     def engine(self, name: str) -> None:
-        if name == "torch":
-            self._engine = None
+        if name in ("torch", "triton"):
+            if name == "triton" and not gpu.runs_on(self.device):
+                raise LCPError(
+                    "the triton engine needs triton and a CUDA index (or a CPU one under TRITON_INTERPRET=1)"
+                )
+            self._engine, self._triton = None, name == "triton"
         elif name != "numba":
-            raise LCPError(f"engine must be 'numba' or 'torch', got {str(name)[:40]!r}")
+            raise LCPError(f"engine must be 'numba', 'triton' or 'torch', got {str(name)[:40]!r}")
         elif self.device.type != "cpu" or engine.kernel() is None:
-            why = "numba is not installed (pip install pipeplan[lcp])" if engine.kernel() is None else "CUDA"
+            why = (
+                "numba is not installed (pip install pipeplan[lcp]) or NUMBA_DISABLE_JIT=1 is set"
+                if engine.kernel() is None
+                else "CUDA"
+            )
             raise LCPError(f"the numba engine runs on CPU indexes with numba installed; here: {why}")
         elif self._engine is None:
-            self._engine = engine.CPUEngine(self, engine.kernel())
+            self._engine, self._triton = engine.CPUEngine(self, engine.kernel()), False
 
     # ---- queries ------------------------------------------------------------------------------------
     def topk(
@@ -233,21 +274,28 @@ class LCPIndex:
         the index — is an LCPError before anything is written.
         """
         k = check_k(k)
+        queries, query_lengths = as_tensor(queries, "queries"), as_tensor(query_lengths, "query_lengths")
         queries, query_lengths, single = as_batch(queries, query_lengths)
         check_rows(queries, "queries")  # first, and once for out= and the numba engine, which take it as checked
         if out is not None:
             out = self._check_out(out, queries, query_lengths, single, k)
         if self._engine is not None:
             return self._engine.topk(queries, k, query_lengths, single, self.direct_cap, out)
-        check_results(queries.shape[0], k)
+        if self.device.type == "cuda":
+            check_device_fits(f"k = {k} for {queries.shape[0]} queries", batch_bytes(queries, k, self.n), self.device)
+        else:
+            check_results(queries.shape[0], k)
         qw, qlen = prepare_queries(queries, query_lengths, self.fmt, self.device)
         b, kk = qw.shape[0], min(k, self.n)
-        ids = torch.full((b, k), -1, dtype=torch.int64, device=self.device)
-        lcps = torch.full((b, k), -1, dtype=torch.int64, device=self.device)
-        chunk = max(1, _ELEMS // (2 * kk + 128))  # the window's columns; independent of any tie size
-        for s in range(0, b, chunk):
-            got = self._topk(qw[s : s + chunk], qlen[s : s + chunk], kk)
-            ids[s : s + chunk, :kk], lcps[s : s + chunk, :kk] = got.ids, got.lcps
+        if self._triton and k <= gpu.CAP:  # one launch for the batch
+            lcps, ids = gpu.topk(self, qw, qlen, k)
+        else:
+            ids = torch.full((b, k), -1, dtype=torch.int64, device=self.device)
+            lcps = torch.full((b, k), -1, dtype=torch.int64, device=self.device)
+            chunk = max(1, _ELEMS // (2 * kk + 128))  # the window's columns; independent of any tie size
+            for s in range(0, b, chunk):
+                got = self._topk(qw[s : s + chunk], qlen[s : s + chunk], kk)
+                ids[s : s + chunk, :kk], lcps[s : s + chunk, :kk] = got.ids, got.lcps
         top = LCPTopK(lcps[0], ids[0]) if single else LCPTopK(lcps, ids)
         if out is None:
             return top
@@ -268,6 +316,7 @@ class LCPIndex:
         """Per query of a batch: insertion point p, k-th LCP d*, the range [lo, hi) of rows sharing it and
         whether that range had to be searched beyond the window (for the bench's bytes-touched model)."""
         k = check_k(k)
+        queries, query_lengths = as_tensor(queries, "queries"), as_tensor(query_lengths, "query_lengths")
         queries, query_lengths, _ = as_batch(queries, query_lengths)
         qw, qlen = prepare_queries(queries, query_lengths, self.fmt, self.device)
         return self._locate(qw, qlen, min(k, self.n))
@@ -418,6 +467,61 @@ class LCPIndex:
         return out
 
     # ---- persistence --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, object]:
+        """The index as plain data: {"kind", "n", "length", "dtype"} and the tensors "cols" (sorted packed rows,
+        column-major [W, N]), "ids" and, when rows vary in length, "lengths". It holds only str, int and tensors,
+        so `torch.save(index.state_dict(), f)` loads back with `torch.load(f, weights_only=True)`; pass it to
+        `LCPIndex.from_state_dict`. The derived arrays (adjacent LCPs, id tree, bucket table) are rebuilt."""
+        state: dict[str, object] = {"kind": "lcp-index", "n": self.n, "length": self.length}
+        state |= {"dtype": str(self.fmt.dtype).removeprefix("torch."), "cols": self.cols, "ids": self.ids}
+        if self.lengths is not None:
+            state["lengths"] = self.lengths
+        return state
+
+    @classmethod
+    def from_state_dict(cls, state: object, device: str | torch.device | None = None) -> LCPIndex:
+        """The index `state_dict` described, on `device` (default: where its tensors are); LCPError when the
+        dict is not one (wrong kind, shapes or dtypes, ids not a permutation, rows out of order)."""
+        try:
+            if not isinstance(state, dict):
+                raise ValueError(f"expected a dict, got {type(state).__name__}")
+            n, length, fmt = _meta(state)
+            cols, ids, lengths = state["cols"], state["ids"], state.get("lengths")
+            if not all(isinstance(t, torch.Tensor) for t in (cols, ids) + ((lengths,) if lengths is not None else ())):
+                raise ValueError("cols, ids and lengths must be tensors")
+            if cols.shape != (fmt.words, n) or cols.dtype != torch.int64 or ids.shape != (n,):
+                shapes = f"{tuple(cols.shape)}, {tuple(ids.shape)}"
+                raise ValueError(f"tensor shapes {shapes} do not match n={n}, L={length}")
+            if ids.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"ids have dtype {ids.dtype}, expected int32 or int64")
+            if lengths is not None and (lengths.shape != (n,) or lengths.dtype not in DTYPE_NAMES.values()):
+                raise ValueError(f"lengths has shape {tuple(lengths.shape)}, expected ({n},) integers")
+        except (KeyError, TypeError, ValueError, LCPError) as exc:
+            raise LCPError(f"not a valid LCP index state: {exc}") from None
+        dev = resolve_device(device, cols.device)
+        lens = lengths.to(dev) if lengths is not None else None
+        cols, ids = cols.to(dev), ids.to(dev)
+        _validate("the state dict", n, length, cols.t(), ids, lens)
+        if lens is not None:
+            lens = lens.to(_length_dtype(length))
+        index = cls(fmt, cols.t(), ids.to(torch.int32 if n < 2**31 else torch.int64), lens)
+        return index
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        """pickle, copy.deepcopy and torch.save of the index itself go through its state dict (the engine,
+        which holds a module and views, is rebuilt on load; its choice of engine is kept)."""
+        return _restore, (self.state_dict(), self.engine, self.direct_cap)
+
+    def to(self, device: str | torch.device) -> LCPIndex:
+        """This index on `device` (itself when it is there already), like torch.Tensor.to; the engine is
+        the one that runs there (numba on CPU when installed, torch otherwise)."""
+        dev = resolve_device(device, self.device)
+        if dev == self.device:
+            return self
+        index = LCPIndex.from_state_dict(self.state_dict(), dev)
+        index.direct_cap = self.direct_cap
+        return index
+
     def save(self, path: str | Path) -> None:
         """Write the index to `path` atomically (format: lcp/fileformat.py)."""
         meta = {"kind": "lcp-index", "n": self.n, "length": self.length, "dtype": str(self.fmt.dtype)[6:]}
@@ -431,13 +535,7 @@ class LCPIndex:
         """Read an index written by `save`; LCPError if the file is foreign, truncated or corrupted."""
         meta, arrays = fileformat.read_index_file(path)
         try:
-            if meta.get("kind") != "lcp-index":
-                raise ValueError(f"kind {str(meta.get('kind'))[:40]!r} is not 'lcp-index'")
-            n = _meta_int(meta, "n", 1, fileformat.MAX_DIM)
-            length = _meta_int(meta, "length", 1, fileformat.MAX_DIM)
-            if not isinstance(meta.get("dtype"), str) or meta["dtype"] not in DTYPE_NAMES:
-                raise ValueError(f"dtype {str(meta.get('dtype'))[:40]!r} is not one of {', '.join(DTYPE_NAMES)}")
-            fmt = token_format(DTYPE_NAMES[meta["dtype"]], length)
+            n, length, fmt = _meta(meta)
             words, ids = arrays["words"], arrays["ids"]
             lengths = arrays.get("lengths")
             if words.shape != (n, fmt.words) or str(words.dtype) != "int64" or ids.shape != (n,):
@@ -455,6 +553,26 @@ class LCPIndex:
         if lens is not None:
             lens = lens.to(_length_dtype(length))
         return cls(fmt, w, i.to(torch.int32 if n < 2**31 else torch.int64), lens)
+
+
+def _restore(state: dict, engine_name: str, direct_cap: int | None) -> LCPIndex:
+    """Unpickle an index (LCPIndex.__reduce__): its state, then its engine where that one can run here."""
+    index = LCPIndex.from_state_dict(state)
+    index.direct_cap = direct_cap
+    if engine_name == "torch" or (engine_name == "triton" and gpu.runs_on(index.device)):
+        index.engine = engine_name
+    return index
+
+
+def _meta(meta: dict) -> tuple[int, int, TokenFormat]:
+    """(n, length, format) from a file's or state dict's metadata; ValueError naming the bad field."""
+    if meta.get("kind") != "lcp-index":
+        raise ValueError(f"kind {str(meta.get('kind'))[:40]!r} is not 'lcp-index'")
+    n = _meta_int(meta, "n", 1, fileformat.MAX_DIM)
+    length = _meta_int(meta, "length", 1, fileformat.MAX_DIM)
+    if not isinstance(meta.get("dtype"), str) or meta["dtype"] not in DTYPE_NAMES:
+        raise ValueError(f"dtype {str(meta.get('dtype'))[:40]!r} is not one of {', '.join(DTYPE_NAMES)}")
+    return n, length, token_format(DTYPE_NAMES[meta["dtype"]], length)
 
 
 def _meta_int(meta: dict, key: str, lo: int, hi: int) -> int:

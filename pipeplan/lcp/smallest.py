@@ -45,27 +45,36 @@ class SmallestIds:
         self.pad = torch.iinfo(ids.dtype).max  # larger than every id: marks "no entry"
         n = ids.shape[0]
         nb = -(-n // BLOCK)
-        pad = torch.full((nb * BLOCK - n,), _BIG, dtype=torch.int64, device=ids.device)
-        vals = torch.cat([ids.to(torch.int64), pad])
+        # built in the ids' own dtype (int32 below 2^31 rows) and int16 offsets, which hold every offset
+        # stored (< 2 * CAP): half the build's peak of int64 columns
+        vals = torch.cat([ids, ids.new_full((nb * BLOCK - n,), self.pad)])
         vals, local = vals.view(nb, BLOCK).sort(1)  # (nb, 64) ids ascending, offsets inside the block
+        local: torch.Tensor | None = local.to(torch.int16)
         # level 0 (a block) is read directly; small nodes keep offsets, large ones their ids themselves
         self.levels: list[torch.Tensor | None] = [None]
         self.holds_ids: list[bool] = [False]
         size = BLOCK
         while vals.shape[0] > 1:  # level j + 1 = first entries of the merge of two level-j children
             if vals.shape[0] % 2:
-                vals = torch.cat([vals, vals.new_full((1, vals.shape[1]), _BIG)])
-                local = torch.cat([local, local.new_zeros((1, local.shape[1]))])
+                vals = torch.cat([vals, vals.new_full((1, vals.shape[1]), self.pad)])
+                if local is not None:
+                    local = torch.cat([local, local.new_zeros((1, local.shape[1]))])
             m = vals.shape[1]
             vals = vals.view(-1, 2 * m)
-            local = torch.cat([local.view(-1, 2, m)[:, 0], local.view(-1, 2, m)[:, 1] + size], 1)
+            direct = 2 * size > CAP  # reading ids across a span this large would miss the cache per entry
+            if local is not None and not direct:  # offsets into the merged node (the id levels need none)
+                local = torch.cat([local.view(-1, 2, m)[:, 0], local.view(-1, 2, m)[:, 1] + size], 1)
             vals, order = vals.sort(1)
             keep = min(2 * m, CAP)
-            vals, local = vals[:, :keep].contiguous(), local.gather(1, order[:, :keep])
+            vals = vals[:, :keep].contiguous()
             size *= 2
-            direct = size > CAP  # reading ids across a span this large would miss the cache per entry
-            stored = vals.clamp(max=self.pad).to(ids.dtype) if direct else local
-            self.levels.append(stored if direct else stored.to(_offset_dtype(size)))
+            if direct:
+                self.levels.append(vals)
+                local = None
+            elif local is not None:
+                local = local.gather(1, order[:, :keep])
+                self.levels.append(local.to(_offset_dtype(size)))
+            del order
             self.holds_ids.append(direct)
         # the id levels in one array (the compiled kernel takes one table and a start row per level)
         big = [lvl for lvl, held in zip(self.levels, self.holds_ids, strict=True) if held]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pipeplan.lcp.errors import LCPError
@@ -123,7 +124,7 @@ def _patterns(x: torch.Tensor) -> torch.Tensor:
 
 
 def pack_rows(
-    x: torch.Tensor, lengths: torch.Tensor | None, fmt: TokenFormat, chunk_rows: int = 1 << 20
+    x: torch.Tensor, lengths: torch.Tensor | None, fmt: TokenFormat, chunk_rows: int = 1 << 16
 ) -> torch.Tensor:
     """Pack rows [N, L'] (L' <= fmt.length, tokens of fmt.dtype) into words [N, W] int64."""
     n, width = x.shape
@@ -147,6 +148,24 @@ def pack_rows(
             p = p.view(m, W, T).flip(-1).contiguous().view(torch.int64).view(m, W) ^ INT64_MIN
         out[start : start + m] = p
     return out
+
+
+def as_tensor(x: object, name: str) -> object:
+    """A numpy array or (nested) list of integers as a tensor (numpy shares memory); anything else as given,
+    for the checks that follow to name."""
+    if isinstance(x, np.ndarray):
+        if x.dtype.kind not in "iu":
+            raise LCPError(f"{name} must hold integers, got a numpy array of {x.dtype}")
+        return torch.from_numpy(np.ascontiguousarray(x))
+    if isinstance(x, (list, tuple)):
+        try:
+            t = torch.tensor(x)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise LCPError(f"{name} as a list must be rectangular integers: {str(exc)[:80]}") from None
+        if t.is_floating_point() or t.dtype == torch.bool or t.is_complex():
+            raise LCPError(f"{name} as a list must hold integers, got {str(t.dtype).removeprefix('torch.')}")
+        return t if t.numel() else t.to(torch.int64)
+    return x
 
 
 def as_batch(queries: object, query_lengths: object) -> tuple[object, object, bool]:

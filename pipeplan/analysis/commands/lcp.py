@@ -106,6 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--length", type=_count, help=f"tokens per row (default: 32; at most {MAX_LENGTH})")
     p.add_argument("--dtype", help="token dtype of the generated rows (default: uint8)")
     p.add_argument("--rows", choices=("random", "identical"), help="random rows, or all identical (worst case)")
+    p.add_argument("--data", help="tokens of the rows: uniform, zipf (skewed), text (docs/*.md bytewise) or a "
+                   "file read bytewise (default: uniform)")  # fmt: skip
     p.add_argument("-k", "--k", type=_count, help="results per query (default: 10)")
     p.add_argument("--batch", type=_count, help="queries per timed call (default: 512)")
     p.add_argument("--scan-batch", type=_count, help="queries per full-scan call (default: 8)")
@@ -187,7 +189,8 @@ def _bench(args: argparse.Namespace) -> int:
     defaults = {f.name: f.default for f in dataclasses.fields(BenchConfig) if f.name != "notes"}
     chosen = {**defaults, **(PRESETS[args.preset] if args.preset else {})}
     given = {
-        "ns": args.n, "length": args.length, "dtype": args.dtype, "rows": args.rows, "k": args.k, "batch": args.batch,
+        "ns": args.n, "length": args.length, "dtype": args.dtype, "rows": args.rows, "data": args.data, "k": args.k,
+        "batch": args.batch,
         "scan_batch": args.scan_batch, "marisa_batch": args.marisa_batch, "repeats": args.repeats,
         "scan_repeats": args.scan_repeats, "trie_max_n": args.trie_max_n, "pairwise_max_n": args.pairwise_max_n,
         "device": args.device, "seed": args.seed, "reuse_out": args.reuse_out,
