@@ -59,8 +59,8 @@ def test_ranking_as_measured(predictions):
     `pipeplan validate --published scenarios/validation/heldout.csv`, docs/validation.md)."""
     got = {r.group: r for r in rank_groups(predictions)}
     assert set(got) == set(GROUPS)
-    assert got["hagemann2023 13B 2k 64 GPUs flash_attention2"].spearman == pytest.approx(0.8767, abs=1e-3)
-    assert got["hagemann2023 65B 2k 128 GPUs flash_attention2"].spearman == pytest.approx(0.9324, abs=1e-3)
+    assert got["hagemann2023 13B 2k 64 GPUs flash_attention2"].spearman == pytest.approx(0.8436, abs=1e-3)
+    assert got["hagemann2023 65B 2k 128 GPUs flash_attention2"].spearman == pytest.approx(0.9341, abs=1e-3)
     for r in got.values():
         assert r.rows == GROUPS[r.group][2] and r.best_gap == 0.0  # the published fastest layout is picked
 
