@@ -111,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
         raise PipeplanError(f"--methods {args.methods}: give distinct names of {', '.join(METHODS)}")
     if args.seeds < 1:
         raise PipeplanError(f"--seeds: must be >= 1 (got {args.seeds})")
-    runs = [(m, c, args.seed + k) for m in methods for c in ([0.0] if m == "none" else caps) for k in range(args.seeds)]
+    # seed-major, so that each seed's runs follow each other: a machine's load drifts over a long study, and a
+    # run is compared with its own seed's unfrozen run (measured_cpu_ratio)
+    runs = [(m, c, args.seed + k) for k in range(args.seeds) for m in methods for c in ([0.0] if m == "none" else caps)]
     if args.tokens < 1:
         raise PipeplanError(f"--tokens: must be >= 1 (got {args.tokens})")
     scenario = args.scenario or str(scenario_path(DEFAULT_SCENARIO))
