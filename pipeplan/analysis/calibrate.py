@@ -1,6 +1,6 @@
 """The one calibration per device (issue #12): fit a device's `gemm_efficiency` to its anchor rows.
 
-    python -m analysis.calibrate            # prints the fit per device and each anchor's residual
+    python -m pipeplan.analysis.calibrate            # prints the fit per device and each anchor's residual
 
 Anchors are the rows of scenarios/validation/published.csv marked `scored = calibration`; they are never scored
 as validation. Each device's constant is fitted alone, by one-parameter least squares on the log error,
