@@ -4,12 +4,12 @@
 with `RunConfig(...).save("run.json")`):
 
     # one process (a 1-stage pipeline: pipeline.stages = 1)
-    torchrun --standalone --nproc-per-node 1 -m runtime.worker run.json
+    torchrun --standalone --nproc-per-node 1 -m pipeplan.runtime.worker run.json
     # several processes on this machine, one per pipeline rank (gloo on CPU, NCCL on CUDA)
-    torchrun --standalone --nproc-per-node 4 -m runtime.worker run.json
+    torchrun --standalone --nproc-per-node 4 -m pipeplan.runtime.worker run.json
     # several nodes (2 x 4 ranks): the same line on each node, node 0's address as the endpoint
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint node0:29500 \
-        --rdzv-id job42 -m runtime.worker run.json
+        --rdzv-id job42 -m pipeplan.runtime.worker run.json
 
 Rank 0 gathers every rank's measurements and writes the results into `RunConfig.out_dir`; on a multi-node
 job it then sends the files to one rank of every other node, which writes them into that node's
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent(expected_parent=int(parent))
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m runtime.worker RUN_CONFIG.json (started by torchrun)", file=sys.stderr)
+        print("usage: python -m pipeplan.runtime.worker RUN_CONFIG.json (started by torchrun)", file=sys.stderr)
         return 2
     cfg = RunConfig.load(argv[0])
     rank, world, device = init_distributed(cfg)
