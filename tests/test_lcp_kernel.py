@@ -483,7 +483,7 @@ def test_engine_choice_and_refusals():
     assert index.engine == "numba"  # the default on CPU with numba installed
     index.engine = "torch"
     assert index.engine == "torch"
-    with pytest.raises(LCPError, match="engine must be 'numba' or 'torch'"):
+    with pytest.raises(LCPError, match="engine must be 'numba', 'triton' or 'torch'"):
         index.engine = "cuda"
     with pytest.raises(LCPError, match="queries must have rank 2"):
         build(rows, engine="numba").topk(torch.zeros((1, 1, 4), dtype=torch.uint8), 3)

@@ -27,11 +27,12 @@ in_interpreter = pytest.mark.skipif(not INTERPRETED, reason="run by test_cases_i
 @pytest.mark.skipif(INTERPRETED, reason="this is the process it starts")
 def test_cases_in_the_interpreter():
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", str(Path(__file__).resolve())]
+    cmd = [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-x", str(Path(__file__).resolve())]
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-500:]
+    passed = [line for line in run.stdout.splitlines() if line.startswith("PASSED ")]
+    assert len(passed) >= 15 and "FAILED" not in run.stdout, run.stdout[-2000:]  # every interpreted case ran
 
 
 def triton_index(rows, lengths=None):

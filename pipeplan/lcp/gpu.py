@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import os
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,7 +51,7 @@ def triton_module() -> ModuleType | None:
 
 
 @functools.cache
-def _kernel(interpret: bool) -> object:
+def _kernel(interpret: bool) -> Any:
     """lcp/gpu_kernel.py's kernel, imported on first use (one per mode: Triton decides at decoration time
     whether a function is interpreted)."""
     del interpret  # the cache key only

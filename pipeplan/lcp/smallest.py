@@ -48,8 +48,9 @@ class SmallestIds:
         # built in the ids' own dtype (int32 below 2^31 rows) and int16 offsets, which hold every offset
         # stored (< 2 * CAP): half the build's peak of int64 columns
         vals = torch.cat([ids, ids.new_full((nb * BLOCK - n,), self.pad)])
-        vals, local = vals.view(nb, BLOCK).sort(1)  # (nb, 64) ids ascending, offsets inside the block
-        local: torch.Tensor | None = local.to(torch.int16)
+        vals, offsets = vals.view(nb, BLOCK).sort(1)  # (nb, 64) ids ascending, offsets inside the block
+        local: torch.Tensor | None = offsets.to(torch.int16)
+        del offsets
         # level 0 (a block) is read directly; small nodes keep offsets, large ones their ids themselves
         self.levels: list[torch.Tensor | None] = [None]
         self.holds_ids: list[bool] = [False]

@@ -114,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--marisa-batch", type=_count, help="queries per marisa-trie call (default: 256)")
     p.add_argument("--repeats", type=_count, help="timed calls per method (default: 5)")
     p.add_argument("--scan-repeats", type=_count, help="timed scan/pairwise calls (default: 2)")
-    p.add_argument("--methods", help="comma list of index,numpy,marisa,scan,trie,pairwise "
+    p.add_argument("--methods", help="comma list of index,numpy,numpy-loop,marisa,scan,trie,pairwise "
                    "(default: all but marisa)")  # fmt: skip
     p.add_argument("--trie-max-n", type=_count, help="skip the trie above this N (default: 1e6)")
     p.add_argument("--pairwise-max-n", type=_count, help="run pairwise above this N only to refuse (default: 3e4)")
