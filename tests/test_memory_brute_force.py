@@ -80,8 +80,8 @@ def every_plan(sc, stash_shares):
 
 def limited(overrides, limit_bytes):
     """The scenario with capacity - margin = `limit_bytes`."""
-    loose = load_scenario(SEVENTY, overrides)
-    return load_scenario(SEVENTY, {**overrides, "device.hbm_gib": limit_bytes / 2**30 + loose.memory.hbm_margin_gib})
+    # the margin pinned at 0 (the default is a share of capacity), so the capacity is the limit itself
+    return load_scenario(SEVENTY, {**overrides, "memory.hbm_margin_gib": 0.0, "device.hbm_gib": limit_bytes / 2**30})
 
 
 def instance(schedule, sizes, memory, stash_shares, tightness):
