@@ -34,11 +34,11 @@ import heapq
 import math
 import multiprocessing
 import signal
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from multiprocessing.managers import SyncManager
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -290,7 +290,8 @@ def planned_variant(stages: int, microbatches: int, var: dict[str, Any], timed_c
     `_evaluate_joint` runs them in order of their bound and stops once none left can win."""
     if "pipeline.schedule" in var:  # a standard order (chronos' own variants name no schedule)
         return True  # one order each, planned (ZB-V's with its W stash in HBM: planner_treatment)
-    v, cap = var["pipeline.virtual_stages"], var["pipeline.admission_cap"]
+    v: int = var["pipeline.virtual_stages"]
+    cap: int = var["pipeline.admission_cap"]
     own = timed_caps[v] if var.get("pipeline.order_timing") == "costs" else own_caps(stages, microbatches, v)
     low = v_half_limit(stages) // 2 * v <= cap <= own.split
     if var.get("pipeline.stash_limit") == 0:
@@ -311,10 +312,18 @@ def variant_label(var: dict[str, Any]) -> str:
 
 
 Say = Callable[[str], None]  # hears what an evaluation is doing now (the live progress line)
+RunKey = tuple[Any, ...]  # (layers, micro-batch size, microbatches, variant label, treatment); a bound's: "bound" first
+RunCache = dict[RunKey, Evaluation | float]  # a joint policy's runs: an Evaluation per run, tokens/s per bound
+
+
+def _speed(ev: Evaluation) -> float:
+    """Tokens/s of an evaluation with a result (capacity scenarios have a model, so the step's tokens are known)."""
+    assert ev.result is not None and ev.result.tokens_per_s is not None
+    return ev.result.tokens_per_s
 
 
 def evaluate(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy, layers: int,
-             bounds: dict | None = None, floor: float = 0.0, say: Say | None = None) -> Evaluation:
+             bounds: RunCache | None = None, floor: float = 0.0, say: Say | None = None) -> Evaluation:
     """Simulate (or plan and simulate) the scenario at `layers` under `policy`; a joint policy searches its
     variants (module docstring), `bounds` caching their keep-everything runs across policies. A planner skips
     the MILP on orders that cannot beat `floor` tokens/s (a plan found elsewhere, e.g. at another micro-batch
@@ -356,29 +365,32 @@ def planner_bound(sc_path: str | None, base_overrides: dict[str, Any], policy: P
     seconds = makespan_lower_bound(*_policy_step(sc_path, base_overrides, policy, layers))
     if seconds is None:
         return 0.0
+    assert keep.tokens_per_s is not None  # a keep-everything step of a model scenario counts its tokens
     return math.inf if seconds <= 0 else keep.tokens_per_s * keep.makespan_s / seconds
 
 
 def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy: Policy, layers: int,
-                    runs: dict, floor: float = 0.0, say: Say | None = None) -> Evaluation:
+                    runs: RunCache, floor: float = 0.0, say: Say | None = None) -> Evaluation:
     """The fastest fitting variant of a joint policy (module docstring). `runs` caches every (depth, variant,
     treatment) run across the chronos policies. The planner's candidates are every variant's keep-everything
     plan (in the MILP's plan space) and the MILP's own plan for the variants `planned_variant` names, tried in
     order of their bound while they can still win (docs/memory.md)."""
     sc = load_scenario(sc_path, base_overrides)
 
-    def key_of(var: dict[str, Any], treatment: tuple[tuple[str, Any], ...]) -> tuple:
+    def key_of(var: dict[str, Any], treatment: tuple[tuple[str, Any], ...]) -> RunKey:
         return layers, sc.training.micro_batch_size, sc.pipeline.microbatches, variant_label(var), treatment
 
     def policy_of(var: dict[str, Any], treatment: tuple[tuple[str, Any], ...]) -> Policy:
         return Policy(policy.name, var.get("pipeline.schedule", "chronos"), var["pipeline.virtual_stages"],
                       dict(treatment))
 
-    def run(var: dict[str, Any], treatment: tuple[tuple[str, Any], ...]) -> tuple[tuple, Evaluation]:
+    def run(var: dict[str, Any], treatment: tuple[tuple[str, Any], ...]) -> tuple[RunKey, Evaluation]:
         key = key_of(var, treatment)
         if key not in runs:
             runs[key] = evaluate(sc_path, {**base_overrides, **var}, policy_of(var, treatment), layers)
-        return key, runs[key]
+        ev = runs[key]
+        assert isinstance(ev, Evaluation)  # a run's key (a bound's starts with "bound")
+        return key, ev
 
     p, m = sc.pipeline.stages, sc.pipeline.microbatches
     timed = timed_own_caps(sc_path, base_overrides, p, m, layers)
@@ -391,13 +403,13 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
         # at no cost, and its LP relaxation (seconds to minutes) is solved only once the order reaches the head
         # of the queue; a refined order at the head bounds every other, so the MILPs run in the order of their
         # bounds and stop at the same point as with every bound computed first (same answers, fewer LPs)
-        queue = []
+        queue: list[tuple[float, int, bool, dict[str, Any]]] = []
         for idx, var in enumerate(var for var in variants if planned_variant(p, m, var, timed)):
-            heapq.heappush(queue, (-run(var, KEEP)[1].result.tokens_per_s, idx, False, var))
+            heapq.heappush(queue, (-_speed(run(var, KEEP)[1]), idx, False, var))
         while queue:
             negative, idx, refined, var = heapq.heappop(queue)
             best = _fastest(tried)
-            if max(floor, best[1].result.tokens_per_s if best is not None else 0.0) >= -negative:
+            if max(floor, _speed(best[1]) if best is not None else 0.0) >= -negative:
                 break  # no memory treatment of the remaining orders can be faster
             how = planner_treatment(treatment, var)
             here = f"{policy.name} at {layers} layers, {variant_label(var)}"
@@ -407,15 +419,18 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
                     if say:
                         say(f"{here}: LP bound")
                     keep = run(var, KEEP)[1].result
+                    assert keep is not None  # its queue entry read its speed
                     runs[key] = planner_bound(sc_path, {**base_overrides, **var}, policy_of(var, how), layers, keep)
-                heapq.heappush(queue, (-min(-negative, runs[key]), idx, True, var))
+                bound = runs[key]
+                assert not isinstance(bound, Evaluation)  # a bound's key
+                heapq.heappush(queue, (-min(-negative, bound), idx, True, var))
                 continue
             if say:
                 say(f"{here}: MILP (bound {-negative:,.0f} tokens/s)")
             tried.append(run(var, how))
             if say:
                 ev = tried[-1][1]
-                say(f"{here}: " + (f"planned {ev.result.tokens_per_s:,.0f} tokens/s" if ev.fits else "no plan")
+                say(f"{here}: " + (f"planned {_speed(ev):,.0f} tokens/s" if ev.fits else "no plan")
                     + (f" ({ev.note})" if ev.note else ""))
     best = _fastest(tried)
     if best is None:
@@ -428,7 +443,7 @@ def _evaluate_joint(sc_path: str | None, base_overrides: dict[str, Any], policy:
     return Evaluation(layers, True, ev.result, variant=label + plan, note=ev.note)
 
 
-def _fastest(tried: list[tuple[tuple, Evaluation]]) -> tuple[tuple, Evaluation] | None:
+def _fastest(tried: list[tuple[RunKey, Evaluation]]) -> tuple[RunKey, Evaluation] | None:
     """The (key, evaluation) pair of `_quickest`'s evaluation."""
     best = _quickest([e for _, e in tried])
     return next((ke for ke in tried if ke[1] is best), None)
@@ -446,7 +461,8 @@ def batch_overrides(sc: Scenario, size: int) -> dict[str, Any]:
 
 
 def evaluate_sizes(sc_path: str | None, overrides: dict[str, Any], policy: Policy, layers: int,
-                   bounds: dict | None = None, sizes: tuple[int, ...] = (), say: Say | None = None) -> Evaluation:
+                   bounds: RunCache | None = None, sizes: tuple[int, ...] = (), say: Say | None = None
+                   ) -> Evaluation:
     """`evaluate` at each micro-batch size of `sizes` with the global batch fixed (`batch_overrides`), the
     fastest that fits winning (labelled `mbs=N ...`); with no `sizes`, the scenario's own. A planner skips the
     MILP on any order whose bound cannot beat the best plan of the sizes before it."""
@@ -457,7 +473,7 @@ def evaluate_sizes(sc_path: str | None, overrides: dict[str, Any], policy: Polic
     tried: list[Evaluation] = []
     for size in sizes:
         best = _quickest(tried)
-        floor = best.result.tokens_per_s if best is not None else 0.0
+        floor = _speed(best) if best is not None else 0.0
         ev = evaluate(sc_path, {**overrides, **batch_overrides(sc, size)}, policy, layers, bounds, floor, say)
         tried.append(replace(ev, micro_batch_size=size, variant=" ".join(filter(None, (f"mbs={size}", ev.variant)))))
     return _quickest(tried) or next((e for e in tried if e.unknown), Evaluation(layers, False, None))
@@ -465,8 +481,7 @@ def evaluate_sizes(sc_path: str | None, overrides: dict[str, Any], policy: Polic
 
 def _quickest(evaluations: list[Evaluation]) -> Evaluation | None:
     """The fastest evaluation that fits (the first of equals), or None."""
-    return max((e for e in evaluations if e.fits and e.result is not None), key=lambda e: e.result.tokens_per_s,
-               default=None)
+    return max((e for e in evaluations if e.fits and e.result is not None), key=_speed, default=None)
 
 
 def max_layers(fits: Callable[[int], Evaluation], step: int) -> Evaluation | None:
@@ -502,6 +517,7 @@ def max_layers(fits: Callable[[int], Evaluation], step: int) -> Evaluation | Non
 def model_params(sc: Scenario, layers: int) -> int:
     """Parameters of the whole model (all TP and PP ranks) at `layers` layers."""
     m = sc.model
+    assert m is not None  # checked_scenario requires a [model]
     h_kv = m.kv_heads * (m.hidden // m.heads)
     per_layer = m.hidden * (m.hidden + 2 * h_kv) + m.hidden**2 + 3 * m.hidden * m.ffn_hidden + 2 * m.hidden
     return layers * per_layer + 2 * m.vocab * m.hidden + m.hidden
@@ -511,7 +527,7 @@ class PolicyDepths:
     """Evaluations of one policy at any depth, cached: the capacity search and the frontier share them."""
 
     def __init__(self, sc_path: str | None, overrides: dict[str, Any], policy: Policy, stages: int,
-                 bounds: dict | None = None, progress: Callable[[str], None] | None = None,
+                 bounds: RunCache | None = None, progress: Callable[[str], None] | None = None,
                  sizes: tuple[int, ...] = (), journal: EvaluationJournal | None = None):
         self.sc_path, self.overrides, self.policy, self.stages = sc_path, overrides, policy, stages
         self.sizes = sizes  # micro-batch sizes to choose from per depth (evaluate_sizes); () = the scenario's
@@ -597,8 +613,12 @@ def _quiet_manager(context: Any) -> SyncManager:
     return manager
 
 
-def _in_workers(jobs: int, calls: dict[Hashable, tuple[Callable, tuple]], say: Say | None = None
-                ) -> Iterator[tuple[Hashable, Any]]:
+K = TypeVar("K", bound=Hashable)
+R = TypeVar("R")
+
+
+def _in_workers(jobs: int, calls: Mapping[K, tuple[Callable[..., R], tuple[Any, ...]]], say: Say | None = None
+                ) -> Iterator[tuple[K, R]]:
     """Run each `key: (function, args)` in up to `jobs` fresh worker processes and yield (key, result) as each
     finishes (spawned, not forked: HiGHS keeps one thread pool per process, solver/highs.py, which a forked
     child would inherit in whatever state the parent left it). Every function takes a last argument `say`:
@@ -607,14 +627,14 @@ def _in_workers(jobs: int, calls: dict[Hashable, tuple[Callable, tuple]], say: S
     with ProcessPoolExecutor(max_workers=min(jobs, len(calls)), mp_context=context,
                              initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as pool, \
             (_quiet_manager(context) if say else contextlib.nullcontext()) as manager:
-        queue = manager.Queue() if say else None
+        queue = manager.Queue() if manager is not None else None  # a manager is started iff `say` is given
         teller = _Teller(queue) if say else None
         try:
             futures = {pool.submit(function, *args, teller): key for key, (function, args) in calls.items()}
             pending = set(futures)
             while pending:
                 done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-                while queue is not None and not queue.empty():
+                while say is not None and queue is not None and not queue.empty():
                     say(queue.get())
                 for future in done:
                     yield futures[future], future.result()

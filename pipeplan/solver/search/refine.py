@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeplan.sim.config import Scenario
 from pipeplan.sim.errors import PipeplanError
 from pipeplan.sim.ir import BACKWARD_KINDS, Kind, Schedule
 from pipeplan.solver.search.screen import LB_SAFETY
@@ -29,7 +30,7 @@ def set_base(raw: dict[str, Any], source: str, base_dir: str | None) -> None:
     _BASE.update(raw=raw, source=source, base_dir=base_dir)
 
 
-def candidate_scenario(overrides: dict[str, Any]):
+def candidate_scenario(overrides: dict[str, Any]) -> Scenario:
     """The base scenario with a candidate's keys set, validated like any scenario file."""
     from pipeplan.sim.config import parse_scenario, set_dotted
 

@@ -101,15 +101,15 @@ def search(raw: dict[str, Any], source: str, base_dir: str | None, sc: Any, spac
         guess = screened.step_lb_s * (1.0 + (space.pp - 1) / (space.m * space.v))
         roomy = order[screened.hbm_lb_bytes[order] <= SEED_HEADROOM * screened.hbm_limit_bytes]
         seeds = [int(i) for i in roomy[np.argsort(guess[roomy], kind="stable")[:SEEDS]]]
-        for i in seeds:
-            take(i, evaluate(space.overrides(i), best[0]))
+        for seed in seeds:
+            take(seed, evaluate(space.overrides(seed), best[0]))
         heap = [(lb, i) for lb, i in heap if i not in set(seeds)]
     if jobs <= 1:
         while (i := next_index()) is not None:
             take(i, evaluate(space.overrides(i), best[0], prune=not exhaustive))
     else:
         with ProcessPoolExecutor(max_workers=jobs, initializer=set_base, initargs=(raw, source, base_dir)) as pool:
-            running: dict[Future, int] = {}
+            running: dict[Future[dict[str, Any]], int] = {}
             while True:
                 while len(running) < 2 * jobs and (i := next_index()) is not None:
                     running[pool.submit(evaluate, space.overrides(i), best[0], not exhaustive)] = i

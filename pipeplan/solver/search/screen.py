@@ -17,12 +17,16 @@ cost model runs once per distinct pair and numpy broadcasts the rest over the wh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pipeplan.sim.config import Scenario
 from pipeplan.solver.search.space import Space
+
+if TYPE_CHECKING:
+    from pipeplan.sim.cost_model import LayerCosts
+    from pipeplan.sim.layer_ops import LayerTimes
 
 LB_SAFETY = 1.0 - 1e-9
 V_SHAPED = ("zbv", "v-half", "chronos")
@@ -53,7 +57,7 @@ def inflight_lower_bound(name: str, p: np.ndarray, v: np.ndarray, m: np.ndarray)
     """Chunk-activations the most loaded rank holds at once, at least, under schedule `name` (forwards done whose
     backward has not started). tests/test_search.py checks each against the built schedules' orders."""
     one = np.minimum(p, m)
-    rules = {
+    rules: dict[str, np.ndarray] = {
         "gpipe": m * v,
         "1f1b": one, "zb-h1": one, "zb-2p": one,
         "interleaved-1f1b": one * v,
@@ -64,13 +68,13 @@ def inflight_lower_bound(name: str, p: np.ndarray, v: np.ndarray, m: np.ndarray)
     return rules.get(name, np.ones_like(p))
 
 
-def kept_layer_bytes(lc: Any, op_bytes: float, policy: str) -> float:
+def kept_layer_bytes(lc: LayerCosts, op_bytes: float, policy: str) -> float:
     """One layer's activation bytes kept from F to B under a recomputation policy (sim.memory.activation_arrays)."""
     return {"none": lc.activation_bytes, "full": lc.checkpoint_bytes,
             "selective": lc.activation_bytes - lc.attention_activation_bytes, "selective-op": op_bytes}[policy]
 
 
-def recompute_layer_s(lt: Any, policy: str) -> float:
+def recompute_layer_s(lt: LayerTimes, policy: str) -> float:
     """One layer's recomputation time under a policy (sim.cost_model's ChunkDetail)."""
     return {"none": 0.0, "full": lt.forward_s - lt.norm_recompute_s, "selective": lt.attention_forward_s,
             "selective-op": lt.op_recompute_s}[policy]
