@@ -75,14 +75,15 @@ def test_ranking_as_measured(predictions):
 
 
 def test_fit_confusion_table_as_measured(predictions):
-    """50 of 65 published OOMs predicted OOM, 15 predicted to fit (unsafe; docs/validation.md names them and what
-    drives them), every run that ran predicted to fit."""
+    """At the default HBM margin (5 % of capacity): 52 of 65 published OOMs predicted OOM, 13 predicted to fit
+    (unsafe; docs/validation.md names them and what drives them), and one run that ran predicted OOM."""
     fits = fit_table(predictions)
-    assert (fits.count(True, True), fits.missed_ooms, fits.false_ooms, fits.count(False, False)) == (50, 15, 0, 65)
+    assert (fits.count(True, True), fits.missed_ooms, fits.false_ooms, fits.count(False, False)) == (52, 13, 1, 64)
+    false_ooms = [r["case"] for r in fits.rows if r["predicted_oom"] and not r["published_oom"]]
+    assert false_ooms == ["13B TP1 PP2 mbs2 checkpointing disabled ran"]
     missed = sorted(r["case"] for r in fits.rows if r["published_oom"] and not r["predicted_oom"]
                     and not r["case"].startswith("30B"))
     assert missed == sorted([
-        "13B TP1 PP1 mbs1 checkpointing disabled OOM", "13B TP2 PP2 mbs4 checkpointing disabled OOM",
         "65B TP2 PP2 mbs2 checkpointing every_layer OOM", "65B TP4 PP2 mbs1 checkpointing disabled OOM",
         "65B TP8 PP4 mbs2 checkpointing disabled OOM", "65B TP8 PP8 mbs2 checkpointing disabled OOM"])
     missed_8k = sorted(r["case"].split(" checkpointing")[0] for r in fits.rows
