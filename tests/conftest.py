@@ -62,3 +62,16 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def world_of_one():
+    """A one-rank gloo group in this process (the Trainer's barriers and checkpoint need one); torch is imported
+    here, not at the top, so that the tests which need no torch collect without it."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

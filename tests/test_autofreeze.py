@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from pipeplan.runtime.autofreeze import AutoFreeze, block_of
 from pipeplan.runtime.config import RunConfig
@@ -42,15 +41,6 @@ def test_the_cap_bounds_the_frozen_share():
     auto.decide(gathered({0: 1.0, 1: 1.0, 2: 1.0}, sizes, head=25.0), step=3)
     auto.decide(gathered({0: 1.0, 1: 1.0, 2: 2.0}, sizes, head=25.0), step=7)  # 0 and 1 converged
     assert auto.frozen_through == 0  # a second block would freeze 50% > 30%
-
-
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_frozen_blocks_stop_changing_and_the_rest_train(world_of_one):

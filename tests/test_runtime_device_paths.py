@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from pipeplan.runtime import checkpoint
 from pipeplan.runtime.config import RunConfig
@@ -14,16 +13,6 @@ from pipeplan.runtime.streams import CopyStream
 
 ONE_STAGE = {"model.hidden": 32, "model.layers": 2, "model.ffn_hidden": 64, "model.seq_len": 16,
              "pipeline.stages": 1, "pipeline.microbatches": 2, "pipeline.schedule": "zb-h1"}
-
-
-@pytest.fixture
-def world_of_one():
-    """A one-rank gloo group in this process (the Trainer's barriers and checkpoint need one)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def trainer(**kwargs):
